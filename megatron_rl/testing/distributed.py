@@ -1,0 +1,98 @@
+"""Run a function in N local gloo processes and collect what each rank returns.
+
+Tests use this to check TP/PP/DP equivalence without torchrun:
+
+    results = run_distributed(my_module.body, world_size=2, args=(x,))
+
+`body(rank, world_size, *args)` runs in a fresh spawned process after `torch.distributed` is initialised with gloo on
+loopback; its return value (picklable) comes back in rank order. An exception in any rank is re-raised here with that
+rank's traceback; a rank that dies or hangs fails the call after `timeout` seconds instead of hanging the test.
+Imports cost ~10 s per launch on 2 cores, so put several checks into one body.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    # N ranks share the machine's cores: one thread each avoids the ~8x oversubscription slowdown.
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including SystemExit from a failed assert in a helper
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 600.0,
+                    threads_per_rank: int | None = None) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s "
+                                   f"(ranks done: {sorted(results)})")
+            try:
+                rank, ok, payload = queue.get(timeout=min(left, 1.0))
+            except _q.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and not errors:
+                    # give the queue a moment: a rank that raised reports before exiting
+                    time.sleep(0.5)
+                    if queue.empty():
+                        raise RuntimeError(f"rank(s) {dead} died with exit codes "
+                                           f"{[procs[r].exitcode for r in dead]} before reporting")
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are likely blocked in a collective: fail fast
+        if errors:
+            raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

