@@ -1,0 +1,207 @@
+"""The one place that knows whether we run on CPU or GPU.
+
+Everything else asks this module for the device, the torch.distributed backend, the default dtype and which
+implementation of a device-specific piece to use (logprob kernel, refit transport, layer spec). The rest of the code
+never branches on `torch.cuda.is_available()` itself.
+
+It also owns the small compatibility layer that lets unmodified megatron-core run on a CPU-only torch build (gloo).
+megatron-core assumes CUDA in a handful of places (see ENVIRONMENT.md); `install_megatron_cpu_compat()` redirects
+exactly those to the CPU and is a no-op when CUDA is present.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str  # "cuda" or "cpu"
+    dist_backend: str  # "nccl" or "gloo"
+    default_dtype: torch.dtype  # training/params dtype when the config says "auto"
+    logprob_impl: str  # "triton" (compiled kernels) or "torch" (chunked reference path)
+    refit_transport_colocated: str  # "cuda_ipc" or "shared_memory"
+    refit_transport_disaggregated: str  # "nccl" or "shared_memory"
+    has_transformer_engine: bool
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device_type == "cuda"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cuda", local_rank) if self.is_gpu else torch.device("cpu")
+
+    def resolve_dtype(self, precision: str) -> torch.dtype:
+        """Map a config precision ("auto", "fp32", "bf16", "fp16") to a dtype; "auto" is bf16 on GPU, fp32 on CPU."""
+        table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if precision == "auto":
+            return self.default_dtype
+        return table[precision]
+
+
+def _transformer_engine_importable() -> bool:
+    # A half-installed TE makes `import megatron.core` crash with errors other than ImportError, so probe carefully.
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def get_platform() -> Platform:
+    forced = os.environ.get("MEGATRON_RL_DEVICE")  # "cpu" forces the CPU path on a GPU machine (debugging)
+    gpu = torch.cuda.is_available() and forced != "cpu"
+    if gpu:
+        return Platform("cuda", "nccl", torch.bfloat16, "triton", "cuda_ipc", "nccl", _transformer_engine_importable())
+    return Platform("cpu", "gloo", torch.float32, "torch", "shared_memory", "shared_memory", False)
+
+
+def set_cpu_threads(n: int) -> None:
+    """Set the intra-op thread count for this process (CPU phases share 2 cores: oversubscription is ~8x slower)."""
+    n = max(1, int(n))
+    torch.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = str(n)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# megatron-core on a CPU torch build
+# --------------------------------------------------------------------------------------------------------------------
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    # torch.cuda.current_device() returns an int, and torch treats a bare int device as a CUDA ordinal
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """Maps CUDA device requests inside megatron-core to the CPU.
+
+    megatron-core creates scalars and buffers with `device="cuda"` or `device=torch.cuda.current_device()`, moves
+    tensors with `.cuda()`, and type-checks fp32 params/grads against the string 'torch.cuda.FloatTensor' (grad
+    clipping, distributed optimizer). On a CPU build these all fail; here they land on the CPU and `Tensor.type()`
+    reports the CUDA spelling of the same dtype, which is what those checks are asking about.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for a CUDA stream on CPU: work is synchronous, so waits and events are no-ops."""
+
+    def wait_stream(self, *_):
+        pass
+
+    def record_event(self, *_a, **_k):
+        return None
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+_COMPAT_MODE: _CudaToCpuMode | None = None
+
+
+def install_megatron_cpu_compat() -> None:
+    """Make megatron-core's CUDA assumptions hold on a CPU build. Idempotent; does nothing when CUDA is present.
+
+    Call before building megatron-core models in a process (policy workers and tests do this through
+    `megatron_rl.models`). The function mode is pushed on the calling thread, which is the thread that runs
+    megatron's forward/backward and optimizer.
+    """
+    global _COMPAT_MODE
+    if get_platform().is_gpu or _COMPAT_MODE is not None:
+        return
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.Stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    cuda.stream = lambda *a, **k: _NullStream()
+    cuda.empty_cache = lambda: None
+    # The "CUDA" RNG becomes the CPU default generator. Seed it directly: torch.manual_seed itself calls
+    # torch.cuda.manual_seed_all, so redirecting to torch.manual_seed would recurse forever.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    # megatron's RNG tracker (dropout fork, activation recompute) reads and writes the CUDA generator through its own
+    # helpers; point them at the CPU generator. Patched on the module before any model is built, and the modules that
+    # use them look them up on that module at call time.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    _COMPAT_MODE = _CudaToCpuMode()
+    _COMPAT_MODE.__enter__()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Device telemetry (nvidia-ml-py), for `megatron-rl info` and per-step metrics
+# --------------------------------------------------------------------------------------------------------------------
+
+def visible_devices() -> list[dict] | str:
+    """NVIDIA devices as dicts (name, memory), or a one-line reason when there are none."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:  # NVMLError_LibraryNotFound on machines without a driver
+        return f"no NVIDIA driver ({e.__class__.__name__})"
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                        "memory_total_gb": round(mem.total / 2**30, 1)})
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def device_telemetry(index: int = 0) -> dict:
+    """Per-step GPU metrics (`gpu_mem_used_gb`, `gpu_util`); empty on CPU so the keys are absent, not zero."""
+    if not get_platform().is_gpu:
+        return {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h)
+        return {"gpu_mem_used_gb": mem.used / 2**30, "gpu_util": float(util.gpu)}
+    except Exception:
+        return {}
