@@ -1,0 +1,77 @@
+"""Start or join Ray, and reserve devices with placement groups.
+
+Local runs start a private Ray bound to loopback with no dashboard; cluster runs (`cluster.ray_address`, set by
+`launch/slurm_grpo.sh`) join the head started with `ray start`. One bundle per device: a GPU each on GPU machines,
+a CPU slot each on CPU machines. In colocated mode the policy rank and the generator share a bundle (fractional
+resources); in disaggregated mode each gets its own bundles.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megatron_rl.config.schema import ClusterConfig
+from megatron_rl.platform import get_platform
+
+
+def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Ray 2.60 enables token auth by default; a private local cluster on loopback does not need it. Clusters that join
+    # an address keep whatever the operator configured (see README, "Cluster use").
+    if cfg.ray_address is None:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            object_store_memory=cfg.object_store_memory_mb * 2**20,
+            include_dashboard=False,
+            _node_ip_address=cfg.bind_host,
+            log_to_driver=log_to_driver,
+            configure_logging=False,
+        )
+    else:
+        ray.init(address=cfg.ray_address, log_to_driver=log_to_driver)
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@dataclass
+class Placement:
+    """A placement group and how actors share its bundles."""
+    pg: object  # ray.util.placement_group.PlacementGroup
+    num_bundles: int
+    device_key: str  # "GPU" or "CPU"
+
+    def strategy(self, bundle_index: int):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle_index,
+                                                placement_group_capture_child_tasks=True)
+
+    def actor_resources(self, share: float) -> dict:
+        """Ray options for an actor taking `share` of one bundle's device (1.0 alone, 0.5 when colocated)."""
+        return {"num_gpus": share} if self.device_key == "GPU" else {"num_cpus": share}
+
+
+def reserve(num_bundles: int, *, timeout_s: float = 120.0, name: str = "megatron-rl") -> Placement:
+    """One bundle per device, packed onto as few nodes as possible; fails with the missing resources named."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    key = "GPU" if get_platform().is_gpu else "CPU"
+    bundles = [{key: 1} for _ in range(num_bundles)]
+    pg = placement_group(bundles, strategy="PACK", name=name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        available = ray.available_resources()
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"could not reserve {num_bundles} x {key} within {timeout_s:.0f}s "
+                           f"(cluster has {available.get(key, 0)} {key} free)")
+    return Placement(pg=pg, num_bundles=num_bundles, device_key=key)
