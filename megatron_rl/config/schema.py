@@ -95,6 +95,7 @@ class AdvantageConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     refill: bool = False  # with dynamic sampling: draw more prompts until the batch is full
     max_refill_rounds: int = 3
+    std_eps: float = 1e-6  # added to the group std before dividing, so near-constant groups stay finite
 
 
 @dataclass
@@ -138,6 +139,7 @@ class RewardConfig:
     format_reward: float = 0.0  # bonus for a well-formed answer even when wrong
     timeout_s: float = 5.0
     num_workers: int = 2
+    worker_memory_mb: int = 2048  # RLIMIT_AS per verifier worker: a runaway sympy expansion fails there, not the host
 
 
 @dataclass
