@@ -1,0 +1,338 @@
+"""HF config.json → megatron-core `TransformerConfig` + `GPTModel` for the Llama family.
+
+Supported: Llama-2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral (optional sliding window), Qwen2/2.5 (QKV bias).
+`ModelSpec` is the one summary of an architecture that the mapping, planner and policy worker read; `build_model`
+makes the rank's `GPTModel` from it.
+
+Vocabulary padding: the embedding and output layer are padded to a multiple of `128 * tp` rows (Megatron-LM's
+convention) so that every TP rank holds an equal slice. The padded rows are zero on import, dropped on export, and
+their logits are forced to a very negative finite value by a forward hook on `output_layer` (`_mask_padded_logits`
+below), so they never take softmax mass: logprobs, cross-entropy and entropy over the padded vocabulary equal those
+over the real one. A finite value (not -inf) keeps `p * logit` terms at 0 instead of NaN in entropy computations.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+# architectures[0] → the model_type values we accept with it (a mismatch means a config we do not understand)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama",),
+    "MistralForCausalLM": ("mistral",),
+    "Qwen2ForCausalLM": ("qwen2",),
+}
+VOCAB_PAD_MULTIPLE = 128
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model this provider cannot represent exactly."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    theta: float = 10000.0
+    type: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rotary_percent: float = 1.0  # HF partial_rotary_factor
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture summary of a decoder-only Llama-family model (everything sharding and memory math needs)."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    sliding_window: int | None = None
+    dtype: str = "float32"  # the HF checkpoint's declared dtype
+    tp: int = 1  # the TP size padded_vocab refers to
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.padded_vocab_for(self.tp)
+
+    def padded_vocab_for(self, tp: int) -> int:
+        m = VOCAB_PAD_MULTIPLE * tp
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    def with_tp(self, tp: int) -> "ModelSpec":
+        return replace(self, tp=tp)
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def validate_parallel(self, tp: int, pp: int) -> None:
+        """Raise if this model cannot be split into tp x pp (the local layer spec needs whole heads/groups per rank)."""
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}")
+        if self.num_kv_heads % tp:
+            problems.append(f"num_key_value_heads={self.num_kv_heads} is not divisible by tp={tp}")
+        if self.ffn_hidden_size % tp:
+            problems.append(f"intermediate_size={self.ffn_hidden_size} is not divisible by tp={tp}")
+        if self.num_layers % pp:
+            problems.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}")
+        if problems:
+            raise ValueError(f"{self.architecture} cannot be split tp={tp} pp={pp}: " + "; ".join(problems))
+
+    def num_parameters(self, padded: bool = False) -> int:
+        """Parameter count (the planner's memory model uses it); padded=True counts the padded vocab rows."""
+        v = self.padded_vocab if padded else self.vocab_size
+        h, f = self.hidden_size, self.ffn_hidden_size
+        attn = h * self.qkv_rows + self.num_heads * self.head_dim * h + (self.qkv_rows if self.qkv_bias else 0)
+        layer = attn + 3 * h * f + 2 * h
+        return self.num_layers * layer + v * h * (1 if self.tied_embeddings else 2) + h
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("hf_config")
+        return d
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF config parsing
+# ----------------------------------------------------------------------------------------------------------------
+
+def load_hf_config(src: Any) -> tuple[dict, str]:
+    """Return (config dict, label for error messages) from a dict, a transformers config, a folder or a config.json."""
+    if isinstance(src, Mapping):
+        return dict(src), "config.json (dict)"
+    if hasattr(src, "to_dict") and not isinstance(src, (str, Path)):
+        return src.to_dict(), "config.json (transformers config)"
+    path = Path(src)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no HF config at {path}")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def _rope_from_config(cfg: dict, label: str) -> RopeSpec:
+    # transformers 5 keeps everything in `rope_parameters`; 4.x used top-level `rope_theta` plus `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    for k, v in legacy.items():
+        params.setdefault(k, v)
+    if "full_attention" in params and isinstance(params["full_attention"], dict):  # per-layer-type form
+        params = dict(params["full_attention"])
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rtype = params.get("rope_type", params.get("type", "default")) or "default"
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if rtype == "default":
+        return RopeSpec(theta=theta, rotary_percent=partial)
+    if rtype == "linear":
+        return RopeSpec(theta=theta, type="linear", factor=float(params["factor"]), rotary_percent=partial)
+    if rtype == "llama3":
+        return RopeSpec(
+            theta=theta, type="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            rotary_percent=partial,
+        )
+    raise UnsupportedModelError(
+        f"{label}: rope scaling type {rtype!r} is not supported (supported: default, linear, llama3)")
+
+
+def model_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
+    """Parse an HF config (dict, transformers config, folder or config.json path) into a `ModelSpec`."""
+    cfg, label = load_hf_config(hf_config)
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    model_type = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES or model_type not in SUPPORTED_ARCHITECTURES[arch]:
+        raise UnsupportedModelError(
+            f"{label}: unsupported model (architectures={archs!r}, model_type={model_type!r}); supported: "
+            + ", ".join(f"{a} ({'/'.join(t)})" for a, t in SUPPORTED_ARCHITECTURES.items()))
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{label}: hidden_act={act!r} is not supported (only silu / SwiGLU)")
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"{label}: num_attention_heads={heads} not a multiple of num_key_value_heads={kv_heads}")
+
+    if model_type == "qwen2":
+        qkv_bias = True  # Qwen2 hard-codes bias on q/k/v and none elsewhere
+        window = int(cfg["sliding_window"]) if cfg.get("use_sliding_window") else None
+        if window is not None:
+            # Qwen2 applies the window only above max_window_layers; megatron's window applies to all layers.
+            raise UnsupportedModelError(f"{label}: Qwen2 with use_sliding_window=true is not supported")
+    else:
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise UnsupportedModelError(
+                f"{label}: attention_bias/mlp_bias are not supported for {arch} (megatron cannot bias o_proj "
+                "without biasing the MLP too)")
+        qkv_bias = False
+        window = cfg.get("sliding_window") if model_type == "mistral" else None
+        window = int(window) if window else None
+    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]) and window is None:
+        raise UnsupportedModelError(f"{label}: per-layer attention types {set(cfg['layer_types'])} are not supported")
+
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return ModelSpec(
+        architecture=arch, model_type=model_type, num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=int(cfg["vocab_size"]), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=_rope_from_config(cfg, label),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), sliding_window=window,
+        dtype=str(dtype).replace("torch.", ""), tp=tp, hf_config=cfg,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# megatron-core config and model
+# ----------------------------------------------------------------------------------------------------------------
+
+def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
+                       use_cpu_initialization: bool | None = None, init_weights: bool = True, **overrides):
+    """megatron-core TransformerConfig equivalent to the HF model; `overrides` go straight to TransformerConfig."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_rl.platform import get_platform
+
+    spec.validate_parallel(tp, pp)
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not get_platform().is_gpu
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,  # HF models here are trained/post-trained without dropout
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        use_cpu_initialization=use_cpu_initialization, perform_initialization=init_weights,
+        # HF computes the softmax scale from head_dim; megatron's default 1/sqrt(kv_channels) is the same.
+        attention_softmax_in_fp32=True,
+    )
+    if spec.sliding_window is not None:
+        # HF lets query i see keys j with i - j < window; megatron's window_size=(left, right) allows i - j <= left.
+        kwargs["window_size"] = (spec.sliding_window - 1, 0)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE inverse frequencies with Llama-3 frequency-dependent scaling, for the given (not hard-coded) parameters."""
+    r = spec.rope
+    dim = int(spec.head_dim * r.rotary_percent)
+    inv = 1.0 / (r.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    wavelen = 2 * math.pi / inv
+    low_wl = r.original_max_position_embeddings / r.low_freq_factor  # longer than this: fully scaled
+    high_wl = r.original_max_position_embeddings / r.high_freq_factor  # shorter than this: untouched
+    scaled = torch.where(wavelen > low_wl, inv / r.factor, inv)
+    smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    blended = (1 - smooth) * scaled / r.factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return torch.where(medium, blended, scaled)
+
+
+def layer_spec_for(kind: str = "auto"):
+    """The transformer-engine layer spec when TE is available (or asked for), megatron's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from megatron_rl.platform import get_platform
+
+    if kind == "auto":
+        kind = "te" if get_platform().has_transformer_engine else "local"
+    if kind == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False), "te"
+    if kind == "local":
+        return specs.get_gpt_layer_local_spec(normalization="RMSNorm"), "local"
+    raise ValueError(f"layer spec must be 'auto', 'te' or 'local', not {kind!r}")
+
+
+def _mask_padded_logits(vocab_size: int, vocab_start: int, local_vocab: int):
+    """Forward hook for output_layer: logits of padded vocab rows (index >= vocab_size) → very negative."""
+    first_pad = max(0, vocab_size - vocab_start)  # local column where padding starts
+
+    def hook(_module, _inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        # in place is autograd-safe: the linear's backward needs its inputs, not its output; masked entries get 0 grad
+        logits[..., first_pad:].fill_(torch.finfo(logits.dtype).min)
+        return output
+
+    return hook if first_pad < local_vocab else None
+
+
+def build_model(hf_config: Any, *, tp: int | None = None, pp: int | None = None,
+                params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
+                post_process: bool | None = None, seed: int = 1234, init_weights: bool = True,
+                layer_spec: str = "auto", parallel_output: bool = True, **config_overrides):
+    """Build this rank's GPTModel for an HF config. tp/pp and the stage flags default to megatron's parallel_state,
+    which must be initialised. The model carries `model.megatron_rl_spec` (a ModelSpec) and `.megatron_rl_layer_spec`.
+
+    init_weights=False skips random initialisation (use when weights are loaded right after, e.g. conversion).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_rl.platform import install_megatron_cpu_compat
+
+    install_megatron_cpu_compat()
+    tp = ps.get_tensor_model_parallel_world_size() if tp is None else tp
+    pp = ps.get_pipeline_model_parallel_world_size() if pp is None else pp
+    pre_process = ps.is_pipeline_first_stage() if pre_process is None else pre_process
+    post_process = ps.is_pipeline_last_stage() if post_process is None else post_process
+    spec = model_spec(hf_config, tp=tp)
+    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights,
+                                **config_overrides)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    layer, kind = layer_spec_for(layer_spec)
+    rope = spec.rope
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer, vocab_size=spec.padded_vocab,
+        max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tied_embeddings,
+        position_embedding_type="rope", rotary_percent=rope.rotary_percent, rotary_base=rope.theta,
+        seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
+    )
+    if rope.type == "llama3":
+        # megatron's built-in llama3 scaling hard-codes low/high freq factors and the original context length;
+        # install the frequencies computed from this config instead (before any forward caches them).
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+    if post_process and spec.padded_vocab != spec.vocab_size:
+        rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
+        local = spec.padded_vocab // tp if parallel_output else spec.padded_vocab
+        start = rank * local if parallel_output else 0
+        hook = _mask_padded_logits(spec.vocab_size, start, local)
+        if hook is not None:
+            model.output_layer.register_forward_hook(hook)
+    model.megatron_rl_spec = spec
+    model.megatron_rl_layer_spec = kind
+    return model

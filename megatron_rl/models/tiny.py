@@ -1,0 +1,72 @@
+"""Tiny random HF models of the supported architectures, for tests and demos that need no downloaded weights.
+
+Vocab 250 is deliberately not a multiple of 128, so vocabulary padding is exercised. Sizes keep head_dim at 32 (vLLM
+CPU attention accepts it) and layer counts even (PP=2 splits them).
+
+    write_tiny_hf_model(out_dir, "llama")   # tied embeddings, llama3 RoPE scaling, explicit head_dim ≠ hidden/heads
+    write_tiny_hf_model(out_dir, "qwen2")   # untied, QKV bias, GQA
+    write_tiny_hf_model(out_dir, "mistral") # sliding-window attention
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TINY_CONFIGS = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 96, "intermediate_size": 160,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 4,
+        "vocab_size": 250, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 192,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 250,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "hidden_act": "silu",
+        "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "mistral": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        "num_hidden_layers": 2, "vocab_size": 250, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256, "sliding_window": 5, "rope_theta": 10000.0, "hidden_act": "silu",
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+def tiny_hf_config(kind: str) -> dict:
+    return json.loads(json.dumps(TINY_CONFIGS[kind]))
+
+
+def make_tiny_hf_model(kind: str, seed: int = 0, dtype=None):
+    """A randomly initialised transformers model of the given kind (eager attention, eval mode)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = tiny_hf_config(kind)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    with torch.no_grad():  # norms start at 1: randomise them too, so a mapping mix-up cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def write_tiny_hf_model(out_dir, kind: str, seed: int = 0, tokenizer_from=None, max_shard_size=None) -> Path:
+    """Save a tiny random model as an HF folder; copies tokenizer files from `tokenizer_from` when given."""
+    from megatron_rl.models.hf_io import copy_tokenizer_files
+
+    out = Path(out_dir)
+    model = make_tiny_hf_model(kind, seed)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kw)
+    if tokenizer_from is not None:
+        copy_tokenizer_files(tokenizer_from, out)
+    return out

@@ -1,0 +1,1 @@
+"""Weights: the HF ⇄ Megatron conversion tool (convert.py); refit transports live beside it."""

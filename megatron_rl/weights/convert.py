@@ -1,0 +1,297 @@
+"""HF ⇄ Megatron conversion tool.
+
+    megatron-rl convert hf-to-megatron --hf DIR --out DIR [--tp N --pp M] [--dtype auto|fp32|bf16|fp16]
+    megatron-rl convert megatron-to-hf --ckpt DIR --out DIR [--dtype auto|bf16|fp32|fp16] [--tp N --pp M]
+
+(the CLI delegates to `main(argv)`, argv starting with the direction; `python -m megatron_rl.weights.convert` too).
+
+How it runs: the conversion is done by N = tp*pp processes holding real megatron-core models, so import, export and
+refit share one code path (`megatron_rl.models.mapping`) and the checkpoint is written by megatron's own
+dist_checkpointing. By default the tool spawns the N processes locally on gloo (CPU; no GPU is needed or used);
+under torchrun (`launch/torchrun_convert.sh`, WORLD_SIZE set) every launched rank runs its share directly, which is
+how conversions larger than one host's spawn budget are run. Each rank reads only its own tensors from the HF
+safetensors (lazily), so memory per process is ~1/N of the model.
+
+Megatron dist checkpoints are resharding-tolerant: one converted at --tp 2 --pp 2 loads at any other TP/PP. --tp/--pp
+choose how many processes share the work (and validate that the model splits that way), not a fixed layout.
+
+Safety: inputs are validated before any process starts (architecture, every tensor's presence and shape, shard
+files, checkpoint format version and sha256 checksums), errors name the file and tensor, and outputs are written to
+`<out>.tmp-XXXX` and renamed only when complete, so `--out` never holds a partial result. An existing --out is an
+error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's usual 5 GB shards
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def _under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _init_worker(tp: int, pp: int):
+    # Conversion always runs on the CPU path (gloo, host memory), also on GPU hosts.
+    os.environ["MEGATRON_RL_DEVICE"] = "cpu"
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.platform import install_megatron_cpu_compat
+
+    install_megatron_cpu_compat()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    return ps
+
+
+def _launch(body, world: int, args: tuple) -> list:
+    """Run body(rank, world, *args) on `world` ranks: spawned locally, or this process being one torchrun rank."""
+    if not _under_torchrun():
+        from megatron_rl.testing.distributed import run_distributed
+
+        return run_distributed(body, world_size=world, args=args, timeout=7 * 24 * 3600.0)
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ConversionError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp x --pp = {world}")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    result = body(dist.get_rank(), world, *args)
+    out = [None] * world
+    dist.all_gather_object(out, result)
+    return out
+
+
+def _is_coordinator() -> bool:
+    return not _under_torchrun() or int(os.environ["RANK"]) == 0
+
+
+def _barrier():
+    if _under_torchrun():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _fresh_out(out: Path) -> Path:
+    if out.exists():
+        raise FileExistsError(f"--out {out} already exists; choose a new directory or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF → Megatron
+# ----------------------------------------------------------------------------------------------------------------
+
+def _h2m_body(rank: int, world: int, hf_dir: str, out: str, tp: int, pp: int, dtype_name: str, step: int):
+    ps = _init_worker(tp, pp)
+    from megatron_rl.models.checkpoint import save_checkpoint
+    from megatron_rl.models.hf_io import HFCheckpoint, resolve_dtype
+    from megatron_rl.models.mapping import load_hf_into_model
+    from megatron_rl.models.provider import build_model
+
+    t0 = time.perf_counter()
+    model = build_model(hf_dir, params_dtype=resolve_dtype(dtype_name), init_weights=False, layer_spec="local")
+    load_hf_into_model(model, HFCheckpoint(hf_dir))
+    t1 = time.perf_counter()
+    save_checkpoint(out, model, step=step, hf_dir=hf_dir)
+    t2 = time.perf_counter()
+    ps.destroy_model_parallel()
+    return {"rank": rank, "read_s": t1 - t0, "save_s": t2 - t1}
+
+
+def hf_to_megatron(hf_dir, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto", step: int = 0) -> dict:
+    """Convert an HF folder to a megatron-rl checkpoint directory `out`. Returns a summary with timings."""
+    from megatron_rl.models.hf_io import HFCheckpoint, check_hf_weights, dtype_name, resolve_dtype
+    from megatron_rl.models.mapping import expected_hf_shapes
+    from megatron_rl.models.provider import model_spec
+
+    t0 = time.perf_counter()
+    hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
+    spec = model_spec(hf_dir)  # unsupported architecture → error naming config.json
+    spec.validate_parallel(tp, pp)
+    ckpt = HFCheckpoint(hf_dir)  # missing / corrupt shard files → error naming the file
+    check_hf_weights(ckpt, expected_hf_shapes(spec), str(hf_dir / "config.json"))  # tensor presence and shapes
+    _fresh_out(out)  # every rank checks (same filesystem), so a torchrun job fails as a whole
+    dt = dtype_name(resolve_dtype(spec.dtype if dtype == "auto" else dtype))
+    ranks = _launch(_h2m_body, tp * pp, (str(hf_dir), str(out), tp, pp, dt, step))
+    return {"direction": "hf-to-megatron", "src": str(hf_dir), "out": str(out), "tp": tp, "pp": pp, "dtype": dt,
+            "bytes": ckpt.total_bytes(), "wall_s": time.perf_counter() - t0,
+            "worker_s": max(r["read_s"] + r["save_s"] for r in ranks)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Megatron → HF
+# ----------------------------------------------------------------------------------------------------------------
+
+def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, params_dtype: str, out_dtype: str,
+              max_shard_bytes: int):
+    ps = _init_worker(tp, pp)
+    from megatron_rl.models.checkpoint import checkpoint_hf_config, load_checkpoint
+    from megatron_rl.models.hf_io import resolve_dtype, write_safetensors_parts
+    from megatron_rl.models.mapping import iter_hf_tensors
+    from megatron_rl.models.provider import build_model
+
+    t0 = time.perf_counter()
+    model = build_model(checkpoint_hf_config(ckpt), params_dtype=resolve_dtype(params_dtype), init_weights=False,
+                        layer_spec="local")
+    load_checkpoint(ckpt, model, verify=False)  # verified once before the ranks started
+    t1 = time.perf_counter()
+    tensors = iter_hf_tensors(model, dtype=resolve_dtype(out_dtype))
+    parts = []
+    if ps.get_tensor_model_parallel_rank() == 0:  # one writer per pipeline stage; the other TP ranks only gather
+        parts = write_safetensors_parts(tensors, Path(tmp), f"part-pp{ps.get_pipeline_model_parallel_rank():04d}",
+                                        max_shard_bytes)
+    else:
+        for _ in tensors:
+            pass
+    t2 = time.perf_counter()
+    result = {"rank": rank, "pp_rank": ps.get_pipeline_model_parallel_rank(), "parts": parts,
+              "load_s": t1 - t0, "write_s": t2 - t1}
+    ps.destroy_model_parallel()
+    return result
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory itself, or the newest complete checkpoint under a root of step directories."""
+    from megatron_rl.models.checkpoint import METADATA, is_checkpoint, latest_checkpoint, read_metadata
+
+    path = Path(path).absolute()
+    if (path / METADATA).is_file():
+        read_metadata(path)  # format/version errors name metadata.json
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ConversionError(f"{path} is not a checkpoint and holds no complete checkpoint "
+                              f"(a checkpoint directory has {METADATA})")
+    assert is_checkpoint(found)
+    return found
+
+
+def _export_config(hf_config: dict, out_dtype: str) -> dict:
+    cfg = dict(hf_config)
+    cfg["dtype"] = out_dtype
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = out_dtype
+    return cfg
+
+
+def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, verify: bool = True) -> dict:
+    """Export a megatron-rl checkpoint to a normal HF folder `out` (config, safetensors, tokenizer, chat template)."""
+    from megatron_rl.models.checkpoint import HF_DIR, read_metadata, verify_checkpoint
+    from megatron_rl.models.hf_io import (copy_tokenizer_files, dtype_name, finalize_safetensors, publish_permissions,
+                                          resolve_dtype)
+    from megatron_rl.models.provider import model_spec
+
+    t0 = time.perf_counter()
+    ckpt, out = resolve_checkpoint(ckpt), Path(out).absolute()
+    meta = verify_checkpoint(ckpt) if verify else read_metadata(ckpt)  # corrupt files → error naming the file
+    if meta.get("hf_config") is None:
+        raise ConversionError(f"{ckpt}/metadata.json records no HF config; cannot export")
+    spec = model_spec(meta["hf_config"])
+    spec.validate_parallel(tp, pp)
+    params_dtype = meta.get("params_dtype") or spec.dtype
+    out_dtype = dtype_name(resolve_dtype(spec.dtype if dtype == "auto" else dtype))
+    tmp = None
+    _fresh_out(out)
+    if _is_coordinator():
+        tmp = tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent)
+    if _under_torchrun():
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        tmp = box[0]
+    try:
+        ranks = _launch(_m2h_body, tp * pp, (str(ckpt), tmp, tp, pp, params_dtype, out_dtype, int(max_shard_bytes)))
+        files = []
+        if _is_coordinator():
+            tmp_path = Path(tmp)
+            parts = [p for r in sorted(ranks, key=lambda r: r["pp_rank"]) for p in r["parts"]]
+            files = finalize_safetensors(tmp_path, parts)
+            (tmp_path / "config.json").write_text(
+                json.dumps(_export_config(meta["hf_config"], out_dtype), indent=2, sort_keys=True) + "\n")
+            copied = copy_tokenizer_files(ckpt / HF_DIR, tmp_path)
+            if "generation_config.json" not in copied:
+                cfg = meta["hf_config"]
+                gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+                (tmp_path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            publish_permissions(tmp_path)
+            os.replace(tmp_path, out)
+        _barrier()
+    except BaseException:
+        if tmp is not None and _is_coordinator() and Path(tmp).exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    nbytes = sum(p[2] for r in ranks for p in r["parts"])
+    return {"direction": "megatron-to-hf", "src": str(ckpt), "out": str(out), "tp": tp, "pp": pp,
+            "dtype": out_dtype, "files": files, "bytes": nbytes, "wall_s": time.perf_counter() - t0,
+            "worker_s": max(r["load_s"] + r["write_s"] for r in ranks)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-rl convert", description="Convert between HF and Megatron formats.")
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-megatron", help="HF folder → megatron-rl (dist) checkpoint")
+    a.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    a.add_argument("--out", required=True, help="checkpoint directory to create")
+    a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="parameter dtype in the checkpoint (auto: the HF config's dtype)")
+    a.add_argument("--step", type=int, default=0)
+    b = sub.add_parser("megatron-to-hf", help="megatron-rl checkpoint → HF folder")
+    b.add_argument("--ckpt", required=True, help="a checkpoint directory, or a root of step directories (newest)")
+    b.add_argument("--out", required=True, help="HF folder to create")
+    b.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="dtype of the exported weights (auto: the original HF config's dtype)")
+    b.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1e9)
+    b.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    for x in (a, b):
+        x.add_argument("--tp", type=int, default=1, help="tensor-parallel processes doing the work")
+        x.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes doing the work")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_rl.models.checkpoint import CheckpointError
+    from megatron_rl.models.hf_io import WeightsError
+    from megatron_rl.models.provider import UnsupportedModelError
+
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            summary = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, step=args.step)
+        else:
+            summary = megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                                     max_shard_bytes=int(args.max_shard_gb * 1e9), verify=not args.no_verify)
+    except (UnsupportedModelError, WeightsError, CheckpointError, ConversionError, FileExistsError,
+            FileNotFoundError, ValueError) as e:
+        print(f"megatron-rl convert: error: {e}", file=sys.stderr)
+        return 2
+    if _is_coordinator():
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns a Manager: the guard keeps its child from re-running this
+    sys.exit(main())
