@@ -1,0 +1,174 @@
+"""Chunked plain-torch implementation (CPU default; also a portable fallback on GPU).
+
+Same contract as kernels/triton_logprobs.py: ``row_stats`` returns this shard's per-row (m, s, w, zt) and
+``grad_logits`` writes the logits' gradient from global row stats. The work is tiled over tokens AND vocab, so the
+extra memory at any time is a few fp32 tiles of ``rows x cols`` elements, whatever N and V are; the only [N, V]
+allocation is the gradient itself (in the logits' dtype).
+
+The linear variants (``linear_row_stats`` / ``linear_grads``) do the same with logits = hidden @ weight.T computed
+one tile at a time, so [N, V] logits never exist in the forward or the backward.
+"""
+from __future__ import annotations
+
+import torch
+
+_NEG_BIG = -1e30  # finite sentinel for the running max; see triton_logprobs.py
+_TILE_ELEMS = 1 << 21  # default tile: 2M fp32 elements (8 MB) — big enough for fast torch ops, small next to [N, V]
+
+
+def tiles(N: int, V: int, chunk) -> tuple[int, int]:
+    """(token rows, vocab cols) per tile. ``chunk``: None, an int (vocab cols), or a (rows, cols) tuple."""
+    if isinstance(chunk, (tuple, list)):
+        rows, cols = int(chunk[0]), int(chunk[1])
+    else:
+        cols = int(chunk) if chunk else 32768
+        rows = 0
+    cols = max(1, min(cols, V)) if V else 1
+    if not rows:
+        rows = max(1, _TILE_ELEMS // cols)
+    return max(1, min(rows, N)) if N else 1, cols
+
+
+def _tile(x, r0, r1, c0, cols, temperature):
+    # copy=True: .float() of an fp32 tensor is the tensor itself, and the callers modify tiles in place
+    return x[r0:r1, c0:c0 + cols].to(torch.float32, copy=True).div_(temperature)
+
+
+def _update(m, s, w, z, with_entropy: bool):
+    """Fold one fp32 tile z [r, c] into the running (m, s, w) of its rows (in place, returns the new tensors)."""
+    m_new = torch.maximum(m, z.amax(dim=1))
+    alpha = torch.exp(m - m_new)
+    d = z.sub_(m_new[:, None]).clamp_(min=_NEG_BIG)  # -inf -> -1e30 so that exp(d) * d is 0, not NaN
+    e = torch.exp(d)
+    if with_entropy:
+        w = alpha * (w + (m - m_new) * s) + (e * d).sum(dim=1)
+    s = s * alpha + e.sum(dim=1)
+    return m_new, s, w
+
+
+def row_stats(x: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, temperature: float,
+              with_entropy: bool, chunk=None):
+    N, V = x.shape
+    f32 = dict(device=x.device, dtype=torch.float32)
+    m = torch.full((N,), _NEG_BIG, **f32)
+    s = torch.zeros(N, **f32)
+    w = torch.zeros(N, **f32) if with_entropy else None
+    zt = torch.zeros(N, **f32)
+    # Target logits are a gather, not a scan: pick them straight from x (in-shard targets only).
+    local_t = targets - vocab_start
+    hit = (local_t >= 0) & (local_t < V)
+    if hit.any():
+        idx = hit.nonzero(as_tuple=True)[0]
+        zt[idx] = x[idx, local_t[idx]].float() / temperature
+    rows, cols = tiles(N, V, chunk)
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        mr, sr, wr = m[r0:r1], s[r0:r1], (w[r0:r1] if with_entropy else None)
+        for c0 in range(0, V, cols):
+            z = _tile(x, r0, r1, c0, cols, temperature)
+            mr, sr, wr = _update(mr, sr, wr, z, with_entropy)
+        m[r0:r1], s[r0:r1] = mr, sr
+        if with_entropy:
+            w[r0:r1] = wr
+    return m, s, w, zt
+
+
+def _grad_tile(z, m, log_s, mz, g_lp, g_ent, local_t, c0, temperature):
+    """fp32 gradient of one tile: (g_lp * (onehot - p) - g_ent * p * (z - E[z])) / T, z given as fp32 x / T."""
+    zm = z.sub_(m[:, None]).clamp_(min=_NEG_BIG)  # z - M (finite)
+    p = torch.exp(zm - log_s[:, None])
+    if g_ent is not None:
+        g = p * (zm - mz[:, None])
+        g.mul_(-g_ent[:, None])
+    else:
+        g = torch.zeros_like(p)
+    if g_lp is not None:
+        g.sub_(p.mul_(g_lp[:, None]))
+        # onehot: add g_lp at the target column of rows whose target lies in this tile
+        t = local_t - c0
+        hit = (t >= 0) & (t < z.shape[1])
+        if hit.any():
+            idx = hit.nonzero(as_tuple=True)[0]
+            g[idx, t[idx]] += g_lp[idx]
+    return g.div_(temperature)
+
+
+def grad_logits(x: torch.Tensor, targets: torch.Tensor, m, log_s, mz, g_lp, g_ent, *, vocab_start: int,
+                temperature: float, chunk=None) -> torch.Tensor:
+    N, V = x.shape
+    dx = torch.empty((N, V), device=x.device, dtype=x.dtype)
+    local_t = targets - vocab_start
+    rows, cols = tiles(N, V, chunk)
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        for c0 in range(0, V, cols):
+            z = _tile(x, r0, r1, c0, cols, temperature)
+            g = _grad_tile(z, m[r0:r1], log_s[r0:r1], mz[r0:r1],
+                           None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
+                           local_t[r0:r1], c0, temperature)
+            dx[r0:r1, c0:c0 + cols] = g  # cast to the logits' dtype happens in this copy
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fused linear + logprob: logits tiles are hidden[rows] @ weight[cols].T, computed in the inputs' dtype (as a plain
+# lm-head would) and upcast to fp32 for the statistics.
+
+def _logit_tile(hidden, weight, r0, r1, c0, c1, temperature):
+    return (hidden[r0:r1] @ weight[c0:c1].t()).float().div_(temperature)
+
+
+def linear_row_stats(hidden, weight, targets, *, vocab_start: int, temperature: float, with_entropy: bool,
+                     chunk=None):
+    N, V = hidden.shape[0], weight.shape[0]
+    f32 = dict(device=hidden.device, dtype=torch.float32)
+    m = torch.full((N,), _NEG_BIG, **f32)
+    s = torch.zeros(N, **f32)
+    w = torch.zeros(N, **f32) if with_entropy else None
+    zt = torch.zeros(N, **f32)
+    local_t = targets - vocab_start
+    rows, cols = tiles(N, V, chunk)
+    for r0 in range(0, N, rows):
+        r1 = min(r0 + rows, N)
+        mr, sr, wr = m[r0:r1], s[r0:r1], (w[r0:r1] if with_entropy else None)
+        t = local_t[r0:r1]
+        for c0 in range(0, V, cols):
+            c1 = min(c0 + cols, V)
+            z = _logit_tile(hidden, weight, r0, r1, c0, c1, temperature)
+            # target logit must come from the same matmul tile as the reference's logits, so read it here
+            hit = (t >= c0) & (t < c1)
+            if hit.any():
+                idx = hit.nonzero(as_tuple=True)[0]
+                zt[r0 + idx] = z[idx, t[idx] - c0]
+            mr, sr, wr = _update(mr, sr, wr, z, with_entropy)
+        m[r0:r1], s[r0:r1] = mr, sr
+        if with_entropy:
+            w[r0:r1] = wr
+    return m, s, w, zt
+
+
+def linear_grads(hidden, weight, targets, m, log_s, mz, g_lp, g_ent, *, vocab_start: int, temperature: float,
+                 chunk=None):
+    """(grad_hidden, grad_weight) of this shard's contribution. Vocab tiles are the outer loop so each weight
+    tile's gradient is finished (accumulated in fp32 over all token tiles) before moving on: O(tile) extra memory
+    plus one fp32 [N, H] accumulator for the hidden gradient."""
+    N, V = hidden.shape[0], weight.shape[0]
+    local_t = targets - vocab_start
+    grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32)
+    grad_w = torch.empty_like(weight)
+    rows, cols = tiles(N, V, chunk)
+    for c0 in range(0, V, cols):
+        c1 = min(c0 + cols, V)
+        acc_w = torch.zeros((c1 - c0, weight.shape[1]), device=weight.device, dtype=torch.float32)
+        for r0 in range(0, N, rows):
+            r1 = min(r0 + rows, N)
+            z = _logit_tile(hidden, weight, r0, r1, c0, c1, temperature)
+            gz = _grad_tile(z, m[r0:r1], log_s[r0:r1], mz[r0:r1],
+                            None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
+                            local_t[r0:r1], c0, temperature)
+            # matmuls in the inputs' dtype (the reference's autograd would do the same), accumulated in fp32
+            gz = gz.to(hidden.dtype)
+            grad_h[r0:r1] += (gz @ weight[c0:c1]).float()
+            acc_w += (gz.t() @ hidden[r0:r1]).float()
+        grad_w[c0:c1] = acc_w
+    return grad_h, grad_w
