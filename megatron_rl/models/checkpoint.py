@@ -14,8 +14,9 @@ a valid metadata.json is never taken for a checkpoint. Loading checks the format
 Vocab padding changes with TP (see provider.py); megatron marks the embedding/output tensors shape-flexible, so a
 checkpoint saved at one TP loads at another (missing padded rows load as zeros).
 
-All ranks of the job call save/load (collective over the default process group). dist_checkpointing's writer starts
-a multiprocessing Manager with the spawn method: scripts that save need an `if __name__ == "__main__":` guard.
+All ranks of the job call save/load (collective over the default process group). Saves are synchronous; megatron's
+writer forks short-lived writer processes, and the spawn-context Manager it would start for their results is replaced
+by an in-process queue (see `_in_process_results_queue`), so saving scripts need no `__main__` guard for it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import tempfile
 import time
@@ -113,6 +115,30 @@ def _allow_child_processes():
         proc._config["daemon"] = was
 
 
+@contextlib.contextmanager
+def _in_process_results_queue():
+    """Skip the spawn-context Manager megatron's writer starts to collect write results.
+
+    In a synchronous save the write function and the result collection run in this process, so a plain queue
+    serves; the Manager costs seconds per process (its child re-imports the __main__ module) and hangs scripts
+    without a main guard. Only the module global is swapped, and only for the duration of our save; if a newer
+    megatron-core no longer has it, its own Manager is used.
+    """
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        fa = None
+    if fa is None or not hasattr(fa, "_results_queue"):
+        yield
+        return
+    previous = fa._results_queue
+    fa._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        fa._results_queue = previous
+
+
 def _fsync_write(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -150,8 +176,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
             if k == "model":
                 raise ValueError("extra_sharded_state may not use the key 'model'")
             sharded[k] = v
-        with _allow_child_processes():
-            dist_checkpointing.save(sharded, str(tmp / DIST_DIR))
+        with _allow_child_processes(), _in_process_results_queue():
+            dist_checkpointing.save(sharded, str(tmp / DIST_DIR))  # synchronous (async_sharded_save=False)
         spec = getattr(gpt, "megatron_rl_spec", None)
         if rank == 0:
             if extra_state is not None:
