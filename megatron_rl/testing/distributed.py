@@ -12,6 +12,7 @@ Imports cost ~10 s per launch on 2 cores, so put several checks into one body.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -26,9 +27,13 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
+    import warnings
+
     import torch
     import torch.distributed as dist
 
+    # megatron-core warns about missing apex/TE and deprecated collectives on every import: noise in test output
+    warnings.simplefilter("ignore")
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -38,7 +43,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle copies tensor data; the queue's own pickler would share it through file descriptors that
+        # vanish when this process exits, before the parent reads them.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report everything, including SystemExit from a failed assert in a helper
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -83,7 +90,7 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
                                            f"{[procs[r].exitcode for r in dead]} before reporting")
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks are likely blocked in a collective: fail fast

@@ -1,0 +1,65 @@
+"""What the GRPO loop needs from a trainer, and nothing more (backend-free).
+
+A `RolloutBatch` holds whole sequences (prompt + response token ids). Per-token fields are aligned with the
+*response* tokens of each sequence: entry k of sequence i refers to token `input_ids[i][prompt_lens[i] + k]`,
+predicted from everything before it. Outputs keep the batch's sequence order, however the worker splits it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: list[list[int]]  # prompt + response tokens, one list per sequence
+    prompt_lens: list[int]
+    advantages: Optional[list[float]] = None  # one per sequence (GRPO: group-relative)
+    old_logprobs: Optional[list[torch.Tensor]] = None  # per response token; None -> use the training forward's own
+    ref_logprobs: Optional[list[torch.Tensor]] = None
+    gen_logprobs: Optional[list[torch.Tensor]] = None  # generator's logprobs of the sampled tokens
+    group_ids: Optional[list[int]] = None  # sequences sharing a prompt (shared-prefix packing)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def response_lens(self) -> list[int]:
+        return [len(ids) - p for ids, p in zip(self.input_ids, self.prompt_lens)]
+
+    def num_response_tokens(self) -> int:
+        return sum(self.response_lens())
+
+
+# loss_fn(logprobs, batch fields for the micro-batch, normalisers) -> (scalar loss, metrics); see policy/loss_api.py
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class TrainResult:
+    metrics: dict[str, float] = field(default_factory=dict)  # loss, kl, clip_frac, entropy, grad_norm, lr, ...
+    logprobs: Optional[list[torch.Tensor]] = None  # the training forward's own logprobs (detached), batch order
+    skipped: bool = False  # non-finite loss or gradients: the update was not applied
+
+
+class PolicyWorker(Protocol):
+    def logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Per-response-token log p under the current weights (plus entropies via `logprobs_and_entropy`)."""
+
+    def reference_logprobs(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Same, under the frozen reference weights (for the KL term)."""
+
+    def train(self, batch: RolloutBatch, loss_fn: LossFn) -> TrainResult:
+        """One optimizer step over the whole batch (split into token-budget micro-batches internally)."""
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full tensors in buckets of about `bucket_bytes` (for refit and HF export)."""
+
+    def save(self, path: str, extra: dict | None = None) -> None: ...
+
+    def load(self, path: str) -> dict: ...
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...

@@ -1,0 +1,357 @@
+"""One rank of the Megatron policy: model, DDP, optimizer and scheduler on megatron-core (TP x PP x DP).
+
+Runs as a Ray actor (`RankWorker`) in a `WorkerGroup`, or directly in a gloo process in tests. Every rank of the
+group receives the whole `RolloutBatch`; each computes the same micro-batch plan (`policy/microbatch.py`) and works
+on its data-parallel share. Results come back from the last pipeline stage's TP-rank-0 ranks only (one per DP
+replica) as {batch index: tensor}; `PolicyGroup` merges them into batch order.
+
+Loss normalisation: the loss function already divides by global counts. megatron's per-token mode
+(`calculate_per_token_loss`) stops the schedule from dividing by the number of micro-batches and DDP from averaging
+over DP; `finalize_model_grads` then divides the gradient by the sum of the token counts the loss functions report.
+We report D = the global token count exactly once (first micro-batch of DP rank 0) and return loss * D, so the
+gradient is exactly that of the normalised loss, whatever the split.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.loader import resolve_model_dir
+from megatron_rl.config.schema import PolicyConfig
+from megatron_rl.distributed.worker_group import RankWorker
+from megatron_rl.platform import get_platform, install_megatron_cpu_compat
+from megatron_rl.policy import batching
+from megatron_rl.policy.interface import RolloutBatch
+from megatron_rl.policy.loss_api import LossInputs
+from megatron_rl.policy.microbatch import plan
+
+
+# Optimizer-state layout in checkpoints. megatron 0.16 with torch's AdamW (no apex/TE) cannot round-trip its default
+# ('fully_sharded_model_space': rejects its own flattened shards) nor 'fully_reshardable' (per-parameter 'step'
+# missing on load); 'dp_reshardable' works. Model weights stay fully reshardable (any TP/PP); optimizer state
+# resumes at the same TP/PP layout.
+_OPT_CKPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+class MegatronPolicyWorker(RankWorker):
+    def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
+                 env: dict | None = None, policy_cfg: PolicyConfig | None = None, max_steps: int = 1):
+        super().__init__(rank, world_size, log_path, threads, env)
+        self.cfg = policy_cfg or PolicyConfig()
+        self.max_steps = max_steps
+        self.step = 0
+        self.consumed_samples = 0
+
+    # ------------------------------------------------------------------------------------------------- set-up
+    def setup(self) -> dict:
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        from megatron_rl.models.hf_io import HFCheckpoint
+        from megatron_rl.models.mapping import load_hf_into_model
+        from megatron_rl.models.provider import build_model
+
+        plat = get_platform()
+        install_megatron_cpu_compat()
+        if plat.is_gpu:
+            torch.cuda.set_device(int(self._local_rank(self.rank)))
+        if not dist.is_initialized():
+            dist.init_process_group(plat.dist_backend)
+        cfg = self.cfg
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp)
+        self.device = plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
+        self.model_dir = resolve_model_dir(cfg.model)
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        self.dtype = plat.resolve_dtype(cfg.precision)
+        # init_weights=True although the HF weights overwrite them: megatron 0.16 only tags weights as
+        # tensor-parallel (`tensor_model_parallel`, used by grad-norm and clipping) inside its initialisers.
+        gpt = build_model(hf_config, params_dtype=self.dtype, seed=cfg.seed, init_weights=True,
+                          recompute_granularity="full" if cfg.activation_recompute else None,
+                          recompute_method="uniform" if cfg.activation_recompute else None,
+                          recompute_num_layers=1 if cfg.activation_recompute else None)
+        gpt.to(self.device)
+        load_hf_into_model(gpt, HFCheckpoint(self.model_dir))
+        self.spec = gpt.megatron_rl_spec
+        tcfg = gpt.config
+        tcfg.calculate_per_token_loss = True
+        tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
+        self.gpt = gpt
+        self.model = DistributedDataParallel(
+            config=tcfg, module=gpt,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=cfg.optimizer.distributed))
+        tcfg.no_sync_func = self.model.no_sync
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        self._build_optimizer()
+        # Reference policy for KL: the initial weights, host-resident (no extra device memory while training).
+        self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.is_output_rank = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        return {"rank": self.rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": self.dp_rank,
+                "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_size": self.dp_size,
+                "num_params": sum(p.numel() for p in self.gpt.parameters())}
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o, s = self.cfg.optimizer, self.cfg.scheduler
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                            clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
+                            fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+                            use_distributed_optimizer=o.distributed),
+            [self.model])
+        decay_steps = max(1, s.decay_steps or self.max_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+            lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps,
+            wd_incr_style="constant")
+
+    # --------------------------------------------------------------------------------------------- forward
+    def _micro_batches(self, batch: RolloutBatch) -> list[batching.DenseMicroBatch]:
+        batching.check_batch(batch, self.spec.vocab_size, self.spec.max_position_embeddings)
+        if len(batch) < self.dp_size:
+            raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
+        lengths = [len(x) - 1 for x in batch.input_ids]
+        mbs = plan(lengths, self.dp_size, self.dp_rank, self.cfg.max_tokens_per_microbatch)
+        return [batching.dense(batch, mb.indices) for mb in mbs]
+
+    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+        from kernels import token_logprobs_and_entropy
+        from megatron.core import parallel_state as ps
+
+        tp = self.tp_size > 1
+        return token_logprobs_and_entropy(
+            logits, targets.to(logits.device), tp_group=self.tp_group if tp else None,
+            vocab_start_index=ps.get_tensor_model_parallel_rank() * logits.shape[-1] if tp else 0,
+            temperature=temperature)
+
+    def _schedule(self, mbs, step_fn, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=step_fn, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only)
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """{batch index: response-token logprobs} (and entropies) from output ranks; None elsewhere."""
+        mbs = self._micro_batches(batch)
+        out: dict[int, Any] = {}
+
+        def step(data_iter, model):
+            mb = next(data_iter)
+            logits = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), None)
+
+            def loss_func(logits):
+                lp, ent = self._token_stats(logits, mb.targets, temperature)
+                for i, l, e in zip(mb.indices, batching.split_rows(lp, mb), batching.split_rows(ent, mb)):
+                    out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
+                return lp.sum() * 0.0, {}
+
+            return logits, loss_func
+
+        self.model.eval()
+        self._schedule(mbs, step, forward_only=True)
+        self.model.train()
+        return out if self.is_output_rank else None
+
+    @torch.no_grad()
+    def _swap_weights(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        saved = {}
+        for n, p in self.gpt.named_parameters():
+            saved[n] = p.detach().to("cpu", copy=True)
+            p.copy_(source[n].to(p.device, p.dtype))
+        return saved
+
+    def reference_logprobs(self, batch: RolloutBatch, temperature: float = 1.0):
+        current = self._swap_weights(self.ref_weights)
+        try:
+            return self.logprobs(batch, temperature)
+        finally:
+            self._swap_weights(current)
+
+    # ------------------------------------------------------------------------------------------------ train
+    def train(self, batch: RolloutBatch, loss_fn, temperature: float = 1.0) -> dict:
+        """One optimizer step. Returns {"metrics", "logprobs" ({index: tensor}), "skipped"} on output ranks."""
+        if batch.advantages is None or len(batch.advantages) != len(batch):
+            raise ValueError("train() needs one advantage per sequence")
+        mbs = self._micro_batches(batch)
+        n_tokens = batch.num_response_tokens()
+        first_dp = self.dp_rank == 0
+        own_lp: dict[int, torch.Tensor] = {}
+        adv = torch.tensor(batch.advantages, dtype=torch.float32)
+
+        def step(data_iter, model):
+            mb = next(data_iter)
+            logits = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), None)
+
+            def loss_func(logits):
+                lp, ent = self._token_stats(logits, mb.targets, temperature)
+                flat_lp = batching.flat(lp, mb)
+                for i, l in zip(mb.indices, batching.split_rows(lp.detach(), mb)):
+                    own_lp[i] = l.float().cpu()
+                seq_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in zip(mb.indices, mb.resp_lens)])
+                dev = flat_lp.device
+                old = batching.gather_field(batch.old_logprobs, mb)
+                inputs = LossInputs(
+                    logprobs=flat_lp.float(), entropy=batching.flat(ent, mb).float(),
+                    advantages=adv[seq_ids].to(dev), mask=torch.ones_like(flat_lp, dtype=torch.float32),
+                    seq_ids=seq_ids.to(dev),
+                    old_logprobs=old.to(dev) if old is not None else flat_lp.detach().float(),
+                    ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),
+                    gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
+                    num_global_tokens=float(n_tokens), num_global_seqs=float(len(batch)))
+                loss, metrics = loss_fn(inputs)
+                report = first_dp and mb is mbs[0]
+                count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=dev)
+                reduced = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in metrics.items()}
+                reduced.setdefault("loss", loss.detach().double().cpu())
+                return loss * n_tokens, count, reduced
+
+            return logits, loss_func
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced_list = self._schedule(mbs, step, forward_only=False)
+        metrics = self._sum_metrics(reduced_list)
+        skipped, grad_norm = self._optimizer_step()
+        self.consumed_samples += len(batch)
+        metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]))
+        if not self.is_output_rank:
+            return None
+        return {"metrics": metrics, "logprobs": own_lp, "skipped": skipped}
+
+    def _sum_metrics(self, reduced_list) -> dict[str, float]:
+        """Metrics are already globally normalised per micro-batch: sum them, then over DP replicas."""
+        from megatron.core import parallel_state as ps
+
+        keys = sorted({k for d in (reduced_list or []) for k in d})
+        # every DP rank must agree on the key set for the all-reduce; the loss function returns a fixed set
+        vec = torch.tensor([sum(float(d[k]) for d in reduced_list if k in d) for k in keys], dtype=torch.float64)
+        if ps.is_pipeline_last_stage() and self.dp_size > 1 and len(keys):
+            dist.all_reduce(vec, group=ps.get_data_parallel_group())
+        return {k: float(v) for k, v in zip(keys, vec.tolist())}
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Clip and step, unless the gradient is non-finite anywhere (the norm is global, so all ranks agree)."""
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()
+        norm = float(opt.get_grad_norm())
+        if found_inf or not math.isfinite(norm):
+            opt.zero_grad()
+            self.model.zero_grad_buffer()
+            return True, norm
+        if opt.config.clip_grad > 0:
+            opt.clip_grad_norm(opt.config.clip_grad)
+        opt.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        self.step += 1
+        return False, norm
+
+    # --------------------------------------------------------------------------------------- weights out / io
+    def export_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full tensors of this rank's pipeline stage, in buckets (collective over the TP group)."""
+        from megatron_rl.models.mapping import iter_hf_tensors
+
+        bucket, size = [], 0
+        for name, t in iter_hf_tensors(self.gpt, self.spec, dtype=dtype):
+            bucket.append((name, t.cpu() if t.device.type != "cpu" else t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""
+        from megatron.core import parallel_state as ps
+
+        tensors = {n: t for bucket in self.export_weights() for n, t in bucket}
+        keep = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+        return tensors if keep else None
+
+    def save(self, path: str, extra: dict | None = None) -> str:
+        from megatron_rl.models.checkpoint import save_checkpoint
+
+        extra_state = {"scheduler": self.scheduler.state_dict(), "step": self.step,
+                       "consumed_samples": self.consumed_samples, "rng": torch.get_rng_state(),
+                       "driver": extra or {}}
+        opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), metadata=_OPT_CKPT_META)
+        return str(save_checkpoint(path, self.gpt, step=self.step, extra_state=extra_state,
+                                   extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir))
+
+    def load(self, path: str) -> dict:
+        from megatron_rl.models.checkpoint import load_checkpoint
+
+        self._materialize_optimizer_state()
+        opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
+                                                   metadata=_OPT_CKPT_META)
+        res = load_checkpoint(path, self.gpt, extra_sharded_state={"optimizer": opt_sd})
+        with torch.no_grad():  # the loader copies into the (leaf, requires-grad) fp32 main params in place
+            self.optimizer.load_state_dict(res["extra_sharded_state"]["optimizer"])
+        self._unshare_adam_steps()
+        extra = res["extra_state"] or {}
+        if "scheduler" in extra:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.step = int(extra.get("step", res["metadata"].get("step", 0)))
+        self.consumed_samples = int(extra.get("consumed_samples", 0))
+        if "rng" in extra:
+            torch.set_rng_state(extra["rng"])
+        return extra.get("driver", {})
+
+    def _materialize_optimizer_state(self) -> None:
+        """A fresh torch Adam has no state (not even 'step') until its first step, and megatron's optimizer state
+        dict requires it; take one step at lr 0 with zero gradients (weights unchanged), then let the load
+        overwrite the state."""
+        opt = self.optimizer
+        saved = [g["lr"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        self.model.zero_grad_buffer()
+        opt.zero_grad()
+        opt.prepare_grads()
+        opt.step_with_ready_grads()
+        for g, lr in zip(opt.param_groups, saved):
+            g["lr"] = lr
+
+    def _unshare_adam_steps(self) -> None:
+        """megatron's loader gives every parameter's torch-Adam state the *same* 'step' tensor; torch increments it
+        in place once per parameter, which would wreck the bias correction. Give each its own copy."""
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for o in opts:
+            inner = getattr(o, "optimizer", None)
+            for st in (inner.state.values() if inner is not None else []):
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
+
+    def offload(self) -> None:
+        """Colocated GPU runs give the device to the generator: optimizer state and weights to host memory."""
+        if get_platform().is_gpu:
+            self.optimizer.offload_to_cpu()
+            self.gpt.to("cpu")
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if get_platform().is_gpu:
+            self.gpt.to(self.device)
+            self.optimizer.restore_from_cpu()
+
+
+def _to(t: torch.Tensor | None, dev) -> torch.Tensor | None:
+    return None if t is None else t.to(dev)

@@ -1,0 +1,66 @@
+"""Split a batch of variable-length sequences into token-budget micro-batches, balanced over data-parallel ranks.
+
+1. `balance_over_dp`: sequences go to DP ranks longest-first, each to the rank with the fewest tokens so far
+   (greedy LPT), so every rank does about the same work.
+2. `pack_microbatches`: within a rank, first-fit-decreasing into bins whose *padded* cost (rows x longest row) stays
+   within `max_tokens`. Padded cost is what a dense [b, s] micro-batch actually computes.
+3. Outputs are written back by the original indices, so callers see results in batch order.
+
+The update must not depend on this split: losses are normalised by global counts (see `policy/loss_api.py`), never
+by micro-batch or rank sizes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SequenceTooLongError(ValueError):
+    pass
+
+
+@dataclass
+class MicroBatch:
+    indices: list[int]  # positions in the original batch
+    max_len: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.indices) * self.max_len
+
+
+def balance_over_dp(lengths: list[int], dp_size: int) -> list[list[int]]:
+    if dp_size < 1:
+        raise ValueError("dp_size must be >= 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * dp_size
+    shards: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in order:
+        r = min(range(dp_size), key=lambda k: (loads[k], len(shards[k]), k))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def pack_microbatches(indices: list[int], lengths: list[int], max_tokens: int) -> list[MicroBatch]:
+    """First-fit-decreasing by padded cost. Raises SequenceTooLongError naming the sequence if one cannot fit."""
+    for i in indices:
+        if lengths[i] > max_tokens:
+            raise SequenceTooLongError(
+                f"sequence {i} has {lengths[i]} tokens, more than policy.max_tokens_per_microbatch={max_tokens}; "
+                "raise the budget or lower generation.max_new_tokens / data.max_prompt_tokens")
+    bins: list[MicroBatch] = []
+    for i in sorted(indices, key=lambda k: (-lengths[k], k)):
+        for b in bins:
+            # longest-first: the bin's max_len never grows, so the cost of one more row is max_len
+            if (len(b.indices) + 1) * b.max_len <= max_tokens:
+                b.indices.append(i)
+                break
+        else:
+            bins.append(MicroBatch(indices=[i], max_len=lengths[i]))
+    return bins
+
+
+def plan(lengths: list[int], dp_size: int, dp_rank: int, max_tokens: int) -> list[MicroBatch]:
+    """The micro-batches of one DP rank. Every rank computes the same plan from the same lengths."""
+    shards = balance_over_dp(lengths, dp_size)
+    return pack_microbatches(shards[dp_rank], lengths, max_tokens)

@@ -1,0 +1,139 @@
+"""Rank bodies for test_policy.py: the Megatron policy worker at TP=2, PP=2, DP=2 against an HF + torch reference.
+
+The reference is independent of megatron: HF transformers forward, a plain-torch loss, torch.optim.AdamW.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from megatron_rl.config.schema import PolicyConfig, OptimizerConfig
+from megatron_rl.policy.interface import RolloutBatch
+from megatron_rl.policy.loss_api import LossInputs
+
+TEMP = 0.7
+LR = 1e-3
+# A large Adam eps keeps the update a smooth function of the gradient: with eps=1e-8 an element whose gradient is
+# ~1e-9 (a barely used embedding row) moves by a large fraction of lr on rounding noise alone.
+EPS = 1e-4
+
+
+def pg_loss(inp: LossInputs):
+    """A plain importance-weighted policy gradient loss, normalised by global tokens."""
+    ratio = torch.exp(inp.logprobs - inp.old_logprobs)
+    per_tok = -inp.advantages * ratio * inp.mask
+    loss = per_tok.sum() / inp.num_global_tokens
+    return loss, {"loss": loss.detach(), "tokens": inp.mask.sum() / inp.num_global_tokens}
+
+
+def make_batch(vocab: int, n: int = 6, seed: int = 0) -> RolloutBatch:
+    rng = random.Random(seed)
+    ids, plens = [], []
+    for _ in range(n):
+        p = rng.randint(2, 9)
+        r = rng.randint(1, 12)
+        ids.append([rng.randrange(vocab) for _ in range(p + r)])
+        plens.append(p)
+    return RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=[rng.uniform(-1, 1) for _ in range(n)])
+
+
+def hf_reference(model_dir: str, batch: RolloutBatch):
+    """Response logprobs at TEMP, then one AdamW step of pg_loss with old = current (detached)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    lps = []
+    total = batch.num_response_tokens()
+    loss_sum = 0.0
+    for ids, p, a in zip(batch.input_ids, batch.prompt_lens, batch.advantages):
+        x = torch.tensor([ids])
+        logits = model(x).logits[0, :-1].float() / TEMP
+        lp = torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0][p - 1:]
+        lps.append(lp.detach())
+        loss = -(a * torch.exp(lp - lp.detach())).sum() / total
+        loss.backward()
+        loss_sum += float(loss)
+    grad_norm = torch.sqrt(sum((q.grad.double() ** 2).sum() for q in model.parameters() if q.grad is not None))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
+    opt.step()
+    return lps, loss_sum, float(grad_norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True):
+    return PolicyConfig(model=str(model_dir), tp=tp, pp=pp, max_tokens_per_microbatch=budget,
+                        optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS,
+                                                  distributed=distributed))
+
+
+def _merge(results: list) -> dict:
+    """Combine {index: value} dicts returned by the output ranks (None elsewhere)."""
+    out = {}
+    for r in results:
+        if r:
+            out.update(r)
+    return out
+
+
+def _gather_obj(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def layouts_match_reference(rank: int, world_size: int, model_dir: str):
+    from megatron_rl.models.hf_io import HFCheckpoint
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    hf_state = {k: v.clone() for k, v in HFCheckpoint(model_dir).items()}
+    import json
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = make_batch(vocab)
+    ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
+    res = {"ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None}
+    layouts = {"dp2": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2_small_mb": dict(budget=24),
+               "tp2_plain_opt": dict(tp=2, distributed=False)}
+    for name, kw in layouts.items():
+        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, **kw))
+        w.setup()
+        exported = _gather_obj(w.hf_state_dict())
+        lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
+        out = _gather_obj(w.train(batch, pg_loss, temperature=TEMP))
+        after = _gather_obj(w.hf_state_dict())
+        outs = [o for o in out if o]
+        res[name] = {
+            "export_before": {k: v for d in exported if d for k, v in d.items()},
+            "logprobs": [lp[i] for i in range(len(batch))],
+            "metrics": outs[0]["metrics"], "train_logprobs": _merge([o["logprobs"] for o in outs]),
+            "after": {k: v for d in after if d for k, v in d.items()} if rank == 0 else None,
+        }
+        if name == "tp2":
+            res[name]["hf_state"] = hf_state if rank == 0 else None
+    return res
+
+
+def save_load_resume(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
+    """step 1, save, step 2 == fresh worker, load, step 2 (bit-identical weights), at TP=2."""
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+    import json
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    b1, b2 = make_batch(vocab, seed=1), make_batch(vocab, seed=2)
+    w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, tp=2), max_steps=10)
+    w.setup()
+    w.train(b1, pg_loss)
+    w.save(ckpt_dir, extra={"data_position": 8})
+    m_a = w.train(b2, pg_loss)
+    a = w.hf_state_dict()
+    w2 = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, tp=2), max_steps=10)
+    w2.setup()
+    extra = w2.load(ckpt_dir)
+    m_b = w2.train(b2, pg_loss)
+    b = w2.hf_state_dict()
+    return {"a": a, "b": b, "extra": extra, "m_a": m_a and m_a["metrics"], "m_b": m_b and m_b["metrics"],
+            "steps": (w.step, w2.step)}
