@@ -151,8 +151,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
                     hf_dir: str | os.PathLike | None = None, tokenizer_path: str | None = None) -> Path:
     """Save `model` (this rank's GPTModel, possibly wrapped) and extras atomically to ckpt_dir; collective.
 
-    extra_sharded_state: more megatron sharded state (e.g. {"optimizer": optimizer.sharded_state_dict(...)}), saved in
-    the same dist checkpoint next to {"model": ...}. extra_state: plain picklable-as-weights state saved by rank 0.
+    extra_sharded_state: more megatron sharded state saved in the same dist checkpoint next to {"model": ...}: a dict,
+    or a callable given the model's sharded state dict, e.g. `lambda m: {"optimizer": opt.sharded_state_dict(m)}`
+    (megatron optimizers map their state through the model's sharded tensors). extra_state: plain picklable-as-weights state saved by rank 0.
     hf_dir: an HF folder whose config, generation config and tokenizer files are copied into `hf/`.
     An existing checkpoint at ckpt_dir is replaced only once the new one is complete.
     """
@@ -172,6 +173,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
     tmp = Path(_bcast(str(tmp) if tmp else None))
     try:
         sharded = {"model": gpt.sharded_state_dict()}
+        if callable(extra_sharded_state):  # e.g. lambda model_sd: {"optimizer": opt.sharded_state_dict(model_sd)}
+            extra_sharded_state = extra_sharded_state(sharded["model"])
         for k, v in (extra_sharded_state or {}).items():
             if k == "model":
                 raise ValueError("extra_sharded_state may not use the key 'model'")
@@ -267,7 +270,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model, *, extra_sharded_state: 
                     verify: bool = True, strict: bool = True) -> dict:
     """Load a checkpoint into `model` (any TP/PP layout); collective. Returns
     {"metadata": dict, "extra_state": dict | None, "extra_sharded_state": {key: loaded state}}.
-    extra_sharded_state: sharded state dicts to fill, with the keys used when saving (e.g. "optimizer").
+    extra_sharded_state: sharded state dicts to fill (dict or callable as in save), keyed as when saving.
     """
     from megatron.core import dist_checkpointing
 
@@ -276,7 +279,10 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model, *, extra_sharded_state: 
     root = Path(ckpt_dir)
     meta = verify_checkpoint(root) if verify else read_metadata(root)
     gpt = unwrap_model(model)
-    sharded = {"model": gpt.sharded_state_dict(), **(extra_sharded_state or {})}
+    sharded = {"model": gpt.sharded_state_dict()}
+    if callable(extra_sharded_state):
+        extra_sharded_state = extra_sharded_state(sharded["model"])
+    sharded.update(extra_sharded_state or {})
     loaded = dist_checkpointing.load(sharded, str(root / DIST_DIR))
     missing, unexpected = gpt.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -81,6 +81,17 @@ def pipeline_logits(model, ids):
     return box.get("logits")
 
 
+def _aux_global() -> torch.Tensor:
+    return torch.arange(32.0).reshape(16, 2)
+
+
+def _aux_tensor(data, *offsets):
+    """Extra sharded state (what an optimizer would add): a tensor split over TP ranks when saved, whole when loaded."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return ShardedTensor.from_rank_offsets("aux.w", data, *offsets, replica_id=0 if offsets else dist.get_rank())
+
+
 def _max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -131,7 +142,10 @@ def parity_and_checkpoints(rank: int, world_size: int, workdir: str):
         r["tp2_logprob"] = _max_diff(torch.log_softmax(full, -1)[..., :vocab], torch.log_softmax(ref, -1))
         r["tp2_export"] = _exact_export(m, hf_state, spec.tied_embeddings)
         ckpt = Path(workdir) / kind / "step_3"
-        save_checkpoint(ckpt, m, step=3, extra_state={"note": kind, "counts": torch.arange(3)})
+        save_checkpoint(ckpt, m, step=3, extra_state={"note": kind, "counts": torch.arange(3)},
+                        extra_sharded_state=lambda model_sd: {"aux": {"w": _aux_tensor(
+                            _aux_global()[8 * ps.get_tensor_model_parallel_rank():][:8].clone(),
+                            (0, ps.get_tensor_model_parallel_rank(), 2))}})
         tp2_logits = full
 
         ps = _init(1, 2)
@@ -150,7 +164,8 @@ def parity_and_checkpoints(rank: int, world_size: int, workdir: str):
 
         _init(1, 1)
         m = build_model(cfg, seed=99)
-        loaded = load_checkpoint(ckpt, m)
+        loaded = load_checkpoint(ckpt, m, extra_sharded_state={"aux": {"w": _aux_tensor(torch.empty(16, 2))}})
+        r["aux_equal"] = torch.equal(loaded["extra_sharded_state"]["aux"]["w"], _aux_global())
         r["ckpt_tp2_to_tp1"] = _max_diff(_forward(m, ids), tp2_logits)
         r["extra_state"] = loaded["extra_state"]
         r["step"] = loaded["metadata"]["step"]

@@ -54,6 +54,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_and_pp2(results, kind):
     for r in results:
         k = r[kind]
         assert k["ckpt_tp2_to_tp1"] <= 1e-5
+        assert k["aux_equal"], "extra sharded state saved split over TP=2 loads whole at TP=1"
         assert k["step"] == 3
         assert k["extra_state"]["note"] == kind
         assert torch.equal(k["extra_state"]["counts"], torch.arange(3))
