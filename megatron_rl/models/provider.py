@@ -288,6 +288,27 @@ def _mask_padded_logits(vocab_size: int, vocab_start: int, local_vocab: int):
     return hook if first_pad < local_vocab else None
 
 
+def _tag_tensor_parallel_weights(model) -> None:
+    """Mark TP-sharded weights the way megatron's initialisers would.
+
+    megatron-core 0.16 sets `tensor_model_parallel` / `partition_dim` on weights only inside its init functions, so a
+    model built with perform_initialization=False has untagged weights, and grad-norm/clipping would then count
+    them as replicated. Tagging here makes init_weights=False safe for training too.
+    """
+    from megatron.core import tensor_parallel as tpl
+
+    for module in model.modules():
+        if isinstance(module, (tpl.ColumnParallelLinear, tpl.VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, tpl.RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(module, "weight", None)
+        if w is not None and not hasattr(w, "tensor_model_parallel"):
+            tpl.set_tensor_model_parallel_attributes(w, is_parallel=True, dim=dim, stride=1)
+
+
 def build_model(hf_config: Any, *, tp: int | None = None, pp: int | None = None,
                 params_dtype: torch.dtype = torch.float32, pre_process: bool | None = None,
                 post_process: bool | None = None, seed: int = 1234, init_weights: bool = True,
@@ -295,7 +316,7 @@ def build_model(hf_config: Any, *, tp: int | None = None, pp: int | None = None,
     """Build this rank's GPTModel for an HF config. tp/pp and the stage flags default to megatron's parallel_state,
     which must be initialised. The model carries `model.megatron_rl_spec` (a ModelSpec) and `.megatron_rl_layer_spec`.
 
-    init_weights=False skips random initialisation (use when weights are loaded right after, e.g. conversion).
+    init_weights=False skips random initialisation (weights are loaded right after); TP attributes are still set.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -322,6 +343,8 @@ def build_model(hf_config: Any, *, tp: int | None = None, pp: int | None = None,
         position_embedding_type="rope", rotary_percent=rope.rotary_percent, rotary_base=rope.theta,
         seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None,
     )
+    if not init_weights:
+        _tag_tensor_parallel_weights(model)
     if rope.type == "llama3":
         # megatron's built-in llama3 scaling hard-codes low/high freq factors and the original context length;
         # install the frequencies computed from this config instead (before any forward caches them).

@@ -92,6 +92,11 @@ def _aux_tensor(data, *offsets):
     return ShardedTensor.from_rank_offsets("aux.w", data, *offsets, replica_id=0 if offsets else dist.get_rank())
 
 
+def _tp_attrs(model) -> dict:
+    return {n: (getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+            for n, p in model.named_parameters()}
+
+
 def _max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -141,6 +146,7 @@ def parity_and_checkpoints(rank: int, world_size: int, workdir: str):
         # log-softmax over the padded vocabulary equals HF's over the real one: padding takes no mass
         r["tp2_logprob"] = _max_diff(torch.log_softmax(full, -1)[..., :vocab], torch.log_softmax(ref, -1))
         r["tp2_export"] = _exact_export(m, hf_state, spec.tied_embeddings)
+        r["tp_attrs_equal"] = _tp_attrs(m) == _tp_attrs(build_model(cfg, init_weights=False))
         ckpt = Path(workdir) / kind / "step_3"
         save_checkpoint(ckpt, m, step=3, extra_state={"note": kind, "counts": torch.arange(3)},
                         extra_sharded_state=lambda model_sd: {"aux": {"w": _aux_tensor(

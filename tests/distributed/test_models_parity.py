@@ -28,6 +28,7 @@ def test_tp2_logits_equal_hf_and_padding_takes_no_mass(results, kind):
         assert k["tp2"] <= ATOL
         assert k["tp2_pad_max"] == torch.finfo(torch.float32).min
         assert k["tp2_logprob"] <= ATOL
+        assert k["tp_attrs_equal"], "init_weights=False must tag TP-sharded weights like megatron's initialisers"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
