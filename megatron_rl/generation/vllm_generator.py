@@ -130,7 +130,7 @@ class VLLMGenerator(Generator):
         )
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         t0 = time.perf_counter()
-        with _torch_threads(self.config.threads if not self.platform.is_gpu else None):
+        with self._generation_threads():
             outputs = self._llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
 
@@ -186,7 +186,8 @@ class VLLMGenerator(Generator):
             # is asked to do anything
             validate_manifest(handle, names, self._ckpt_shapes, self._optional_names)
             try:
-                per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(handle.to_dict(),))
+                with self._generation_threads():  # the in-process reload runs on this thread's torch pool
+                    per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(handle.to_dict(),))
             except Exception as e:
                 self._version = INVALID_VERSION
                 raise RefitError(f"refit v{handle.version} failed while loading; the engine's weights are "
@@ -194,18 +195,26 @@ class VLLMGenerator(Generator):
             refused = [w["refused"] for w in per_worker if "refused" in w]
             if refused:  # the workers' byte checks failed before any weight was written
                 raise RefitError(refused[0])
+            t1 = time.perf_counter()
             # cached KV blocks of earlier prompts were computed by the old weights
             self._llm.reset_prefix_cache()
             self._version = handle.version
         finally:
+            t2 = time.perf_counter()
             handle.cleanup()  # single-use files: removed whether the update applied or not
         stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
-        stats["receive_s"] = time.perf_counter() - t0
+        stats.update(rpc_s=t1 - t0, cleanup_s=time.perf_counter() - t2, receive_s=time.perf_counter() - t0)
         return stats
 
     def init_refit_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Disaggregated GPU refit: join the NCCL group of `weights.transport.NcclSender` (call on both sides)."""
         self._llm.collective_rpc("mrl_init_nccl_group", args=(host, port, rank_offset, world_size))
+
+    def _generation_threads(self):
+        """CPU: generation.threads while the engine works, else 1 like vLLM's own serving default (multi-threaded
+        torch ops in the decode loop spin-wait between tiny kernels: measured 5x slower with 2 threads on 2 busy
+        cores). The previous count is restored afterwards for whoever shares the process."""
+        return _torch_threads(None if self.platform.is_gpu else (self.config.threads or 1))
 
     def _check_new_version(self, version: int) -> None:
         if not isinstance(version, int) or version < 0:

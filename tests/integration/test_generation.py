@@ -114,6 +114,24 @@ class TestUntied:
         assert stopped.finish_reasons == ["stop"]
         assert stopped.token_ids[0] == res.token_ids[0][:len(stopped.token_ids[0])]
 
+    def test_cpu_lifecycle_calls_and_threads(self, gen):
+        # sleep/wake free nothing on CPU but must be callable by the driver in the same order as on GPU
+        gen.sleep()
+        gen.wake_up(["weights"])
+        gen.wake_up()
+        # the in-process engine replaces torch.set_num_threads with a no-op; the generator restores it, so a trainer
+        # sharing the process can still choose its threads, and generation uses its own setting only while it runs
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before)
+        gen.config.threads = 2
+        try:
+            res = gen.generate(PROMPTS[:1], n=2, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, seed=0)
+        finally:
+            gen.config.threads = None
+        assert len(res) == 2 and torch.get_num_threads() == before
+
     def test_refused_refits_keep_old_weights(self, gen, models):
         before_files = shm_files()
         base = greedy(gen)

@@ -1,0 +1,167 @@
+"""Refit and generation speed of the vLLM generator on SmolLM2-135M, each next to its baseline in the same run.
+
+Refit: export buckets (HF names, full fp32 tensors) -> shared memory -> validated engine reload, next to a plain
+memcpy of the same bytes (into warm, already-touched buffers, and into freshly allocated ones).
+Generation: vLLM vs transformers `generate` on the same prompts (P prompts x N samples x L new tokens, T=1).
+
+    .venv/bin/python bench/refit_bench.py [--model DIR] [--refits 3] [--bucket-mb 128] [--prompts 8 --samples 8
+                                           --tokens 32] [--threads 1 2] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rl.config.schema import GenerationConfig  # noqa: E402
+from megatron_rl.paths import default_model_dir  # noqa: E402
+
+QUESTIONS = ["What is 17 + 25?", "What is 3 + 9 + 12?", "Compute 48 - 19.", "What is 7 times 6?",
+             "Add 105 and 27.", "What is 81 + 14 + 2?", "Subtract 33 from 90.", "What is 12 + 12 + 12?"]
+
+
+def export_buckets(model, bucket_bytes):
+    """Stand-in for the policy's export: (HF name, full tensor) pairs grouped into buckets of ~bucket_bytes."""
+    bucket, size = [], 0
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # the HF checkpoint of a tied model has no lm_head entry
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def memcpy_baselines(tensors, reps=3):
+    """Single-threaded copies (a plain memcpy; torch's threaded copy is much slower when the cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _memcpy_baselines(tensors, reps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _memcpy_baselines(tensors, reps):
+    warm_dst = [torch.empty_like(t) for t in tensors]
+    for d, t in zip(warm_dst, tensors):
+        d.copy_(t)  # touch the pages once: "warm" measures the copy alone
+    warm, cold = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for d, t in zip(warm_dst, tensors):
+            d.copy_(t)
+        warm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fresh = [torch.empty_like(t).copy_(t) for t in tensors]
+        cold.append(time.perf_counter() - t0)
+        del fresh
+    return statistics.median(warm), statistics.median(cold)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def prompts_for(tok, count):
+    out = []
+    for q in (QUESTIONS * ((count + len(QUESTIONS) - 1) // len(QUESTIONS)))[:count]:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def hf_generate_tokens_per_s(model, tok, prompts, samples, tokens):
+    """transformers sampling of the same prompts (left-padded batch, no early stop), tokens per second."""
+    tok.padding_side = "left"
+    batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=tokens,
+                             min_new_tokens=tokens, num_return_sequences=samples, pad_token_id=tok.pad_token_id)
+    dt = time.perf_counter() - t0
+    new = out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1])
+    return new / dt, dt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(default_model_dir()))
+    ap.add_argument("--refits", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads to try for vLLM (generation.threads) and transformers")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers generate baseline")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.generation import VLLMGenerator
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tensors = [t for b in export_buckets(hf, args.bucket_mb * 2**20) for _, t in b]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    warm, cold = memcpy_baselines(tensors)
+    print(f"model {Path(args.model).name}: {len(tensors)} tensors, {nbytes / 2**20:.0f} MiB fp32, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"memcpy of the same bytes: warm {warm:.3f} s ({nbytes / warm / 1e9:.1f} GB/s), "
+          f"fresh buffers {cold:.3f} s ({nbytes / cold / 1e9:.1f} GB/s)")
+
+    cfg = GenerationConfig()
+    prompts = prompts_for(tok, args.prompts)
+    max_len = max(len(p) for p in prompts) + args.tokens + 8
+    gen = VLLMGenerator(cfg, args.model, max_model_len=max_len, seed=0)
+    print(f"engine start {gen.startup_s:.1f} s")
+    try:
+        rows = []
+        for v in range(1, args.refits + 1):
+            st = gen.update_weights(export_buckets(hf, args.bucket_mb * 2**20), version=v)
+            rows.append(st)
+            rss = _rss_mib()
+            print(f"refit v{v} (RSS {rss:.0f} MiB): total {st['refit_s']:.3f} s = shm write+crc {st['send_s']:.3f} + map+verify "
+                  f"{st['validate_s']:.3f} + engine reload {st['reload_s']:.3f} + tied lm_head repack "
+                  f"{st['lm_head_s']:.3f} + unlink {st['cleanup_s']:.3f} (rest: rpc/bookkeeping)")
+        med = {k: statistics.median(r[k] for r in rows) for k in ("refit_s", "send_s", "validate_s", "reload_s")}
+        transport = med["send_s"] + med["validate_s"]
+        print(f"refit median {med['refit_s']:.3f} s: {med['refit_s'] / warm:.1f}x warm memcpy, "
+              f"{med['refit_s'] / cold:.1f}x fresh-buffer memcpy; transport alone (shm write + verify) "
+              f"{transport:.3f} s = {transport / warm:.1f}x warm / {transport / cold:.1f}x fresh; "
+              f"engine reload {med['reload_s']:.3f} s")
+
+        total_tokens = args.prompts * args.samples * args.tokens
+        for threads in args.threads:
+            gen.config.threads = threads
+            gen.generate(prompts[:1], n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=4, seed=0)  # warm-up
+            t0 = time.perf_counter()
+            res = gen.generate(prompts, n=args.samples, temperature=1.0, top_p=1.0, top_k=-1,
+                               max_tokens=args.tokens, seed=1)
+            dt = time.perf_counter() - t0
+            print(f"vLLM generate ({threads} thread(s)): {res.num_generated_tokens} tokens in {dt:.2f} s = "
+                  f"{res.num_generated_tokens / dt:.0f} tok/s (requested {total_tokens}; EOS ends some early)")
+        gen.config.threads = None
+    finally:
+        gen.shutdown()
+
+    if not args.skip_hf:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            tps, dt = hf_generate_tokens_per_s(hf, tok, prompts, args.samples, args.tokens)
+            print(f"transformers generate ({threads} thread(s)): {tps:.0f} tok/s ({dt:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
