@@ -9,6 +9,12 @@ Shared scheme (both implementations, see triton_logprobs.py / chunked.py):
   4. backward needs no communication: with the global (M, log S, W / S) saved, each rank recomputes softmax over
      its own shard and writes its slice of the gradient.
 
+Gradients, with z = logits / T, p = softmax(z), E[z] = sum_j p_j z_j:
+  d logprob / d z_i = onehot_i - p_i
+  d H / d z_i: H = lse(z) - E[z]; d lse / d z_i = p_i and d E[z] / d z_i = p_i + sum_j z_j p_j (delta_ij - p_i)
+              = p_i + p_i z_i - p_i E[z], so d H / d z_i = -p_i (z_i - E[z]);
+and each is divided by T for the logits. (Checked against autograd through the naive reference in the tests.)
+
 Ignore index: rows whose target is negative (e.g. -100) get logprob 0 and no gradient from the logprob. Their
 entropy is still computed (masking entropy is the caller's loss mask's job). Targets must otherwise lie in
 [0, full vocab): a target past the vocab is not found on any rank and silently reads as logit 0.
