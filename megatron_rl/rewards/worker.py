@@ -1,0 +1,135 @@
+"""Code that runs inside the verifier worker processes, never in the trainer.
+
+math-verify (sympy) and reasoning-gym scorers see model output here. The trainer only imports this module to name
+these functions for pickling: the heavy imports happen inside the functions (and in `_preload`, which only the
+worker's forkserver imports), so the trainer's process never loads sympy or parses a completion.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_rl.rewards.extract import extract_answer, is_well_formed
+
+
+class SoftTimeout(BaseException):
+    """Raised by SIGALRM inside a worker. A BaseException so that math-verify's and sympy's `except Exception`
+    handlers cannot swallow it and keep grinding."""
+
+
+_GO: Any = None  # set by init_worker: released by the parent once every worker of the pool is up
+
+
+def init_worker(memory_mb: int, warm: Sequence[Callable], ready: Any, go: Any) -> None:
+    """Per-worker setup: an address-space limit (a runaway expansion raises MemoryError here instead of swapping
+    the host), no SIGINT (Ctrl-C is the trainer's to handle; it then shuts the pool down). `warm` are the task
+    functions this pool will run: receiving them imported their modules already. Reporting on `ready` last lets
+    the parent wait until every worker is fully up before any task's deadline starts."""
+    global _GO
+    if memory_mb and memory_mb > 0:
+        limit = int(memory_mb) * 2 ** 20
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # math-verify warns that its own (signal-based) timeouts are off: we time out around it instead
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    del warm
+    _GO = go
+    ready.put(os.getpid())
+
+
+def hold_until_all_started(timeout_s: float) -> int:
+    """The start-up task: it blocks until the parent has heard from every worker, so while these run no worker
+    is idle and each submit makes the pool launch another process (workers are launched on demand)."""
+    _GO.wait(timeout_s)
+    return os.getpid()
+
+
+def _on_alarm(signum, frame):
+    raise SoftTimeout()
+
+
+def run_task(fn: Callable[[Any], Any], payload: Any, timeout_s: float) -> tuple[str, Any]:
+    """Run fn(payload) under a soft timeout. Returns ("ok", value) | ("timeout", None) | ("error", kind).
+
+    The soft timeout interrupts Python-level work (sympy simplification loops) cheaply; work stuck in C (a huge
+    integer power) ignores signals, which is what the parent's hard deadline and pool kill are for.
+    """
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(timeout_s, 1e-3))
+    try:
+        return "ok", fn(payload)
+    except SoftTimeout:
+        return "timeout", None
+    except MemoryError:
+        return "error", "MemoryError"
+    except Exception as e:  # noqa: BLE001 - any failure of the verifier scores 0; it is counted by the caller
+        # only the type: str() of a sympy object inside an exception can itself hang
+        return "error", type(e).__name__
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---- scoring ------------------------------------------------------------------------------------------------------
+
+_RG_DATASETS: dict[str, Any] = {}
+
+
+def _rg_dataset(task: str, params: dict[str, Any]):
+    key = task + json.dumps(params, sort_keys=True, default=str)
+    ds = _RG_DATASETS.get(key)
+    if ds is None:
+        import reasoning_gym
+
+        ds = reasoning_gym.create_dataset(task, seed=0, size=1, **params)
+        _RG_DATASETS[key] = ds
+    return ds
+
+
+def _math_parse(expr: str) -> list:
+    from math_verify import parse
+
+    # as the content of \boxed{} math-verify reads LaTeX and plain expressions alike ("0.5", "\dfrac{1}{2}",
+    # "x = 3"); a bare string is the fallback for forms the boxed reading rejects
+    parsed = parse("\\boxed{" + expr + "}", parsing_timeout=None)
+    return parsed or parse(expr, parsing_timeout=None)
+
+
+def math_equal(gold: str, pred: str) -> bool:
+    """Equivalence of two answers via math-verify (0.5 == \\frac{1}{2}, 1,000 == 1000, x = 3 == 3)."""
+    from math_verify import verify
+
+    if gold.strip() == pred.strip():
+        return True
+    g, p = _math_parse(gold.strip()), _math_parse(pred)
+    if not g or not p:
+        return False
+    return bool(verify(g, p, timeout_seconds=None))
+
+
+def score_sample(payload: dict[str, Any]) -> dict[str, Any]:
+    """Score one completion. payload: kind ("math" | "reasoning_gym"), completion, answer (gold), answer_format,
+    and for reasoning-gym task, task_params, entry. Returns score in [0, 1], format_ok, the extracted answer."""
+    completion: str = payload["completion"]
+    fmt = payload["answer_format"]
+    format_ok = is_well_formed(completion, fmt)
+    pred: Optional[str] = extract_answer(completion, fmt)
+    score = 0.0
+    if pred is not None:
+        if payload["kind"] == "reasoning_gym":
+            ds = _rg_dataset(payload["task"], payload["task_params"])
+            score = float(ds.score_answer(pred, payload["entry"]))
+        elif payload["kind"] == "math":
+            score = 1.0 if math_equal(payload["answer"], pred) else 0.0
+        else:
+            raise ValueError(f"unknown reward kind {payload['kind']!r}")
+    if not 0.0 <= score <= 1.0:  # NaN fails this too; a scorer outside its contract is an error, not a reward
+        raise ValueError("score out of [0, 1]")
+    return {"score": score, "format_ok": format_ok, "answer": None if pred is None else pred[:200]}

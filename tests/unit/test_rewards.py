@@ -1,0 +1,197 @@
+"""Rewards: extraction, math-verify equivalence, reasoning-gym scoring, and the sandbox (timeouts, errors, hostility).
+
+The scorers below are injected into the worker processes by name (this module is imported there), so keep this
+file's imports light.
+"""
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from megatron_rl.config.schema import RewardConfig
+from megatron_rl.data.datasets import PromptItem
+from megatron_rl.rewards import (
+    RewardFn, extract_answer, extract_answer_is, extract_answer_tag, extract_boxed, extract_last_number,
+    is_well_formed, resolve_kind,
+)
+from megatron_rl.rewards import worker
+
+TIMEOUT = 1.0
+SLACK = 2.5  # kill grace (1 s) + pool replacement + a loaded 2-core machine
+
+
+# ---- scorers run inside the workers --------------------------------------------------------------------------------
+
+def misbehaving_scorer(payload):
+    c = payload["completion"]
+    if c == "HANG_IN_C":  # SIGALRM blocked: like work stuck in C, only the parent's kill can end it
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(120)
+    if c == "SPIN":  # pure-python loop: the worker's soft timeout ends it without killing the worker
+        while True:
+            pass
+    if c == "RAISE":
+        raise RuntimeError("verifier bug")
+    if c == "DIE":
+        os._exit(3)
+    if c == "ALLOC":  # beyond reward.worker_memory_mb: MemoryError in the worker, not a swapping host
+        return {"score": min(1.0, float(len(bytearray(3 * 2 ** 30)))), "format_ok": True}
+    if c == "BAD_SCORE":
+        return {"score": float("nan"), "format_ok": True}
+    return worker.score_sample(payload)
+
+
+# ---- extraction (pure string functions) ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("so \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}} and then \\boxed{{a}+{b}}", "{a}+{b}"),
+    ("$\\boxed{x^{2}}$.", "x^{2}"),
+    ("\\boxed 5 is it", "5"),
+    ("\\fbox{7}", "7"),
+    ("\\boxed{unbalanced", None),
+    ("no box", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+def test_extract_tag_answer_is_and_last_number():
+    assert extract_answer_tag("think <answer>1</answer> no wait <answer> 17 </answer>") == "17"
+    assert extract_answer_tag("<answer>\\boxed{\\frac{1}{2}}</answer>") == "\\frac{1}{2}"
+    assert extract_answer_tag("<answer>$-4$.</answer>") == "-4"
+    assert extract_answer_tag("<answer></answer>") is None
+    assert extract_answer_is("So the answer is $\\frac{1}{2}$.\nDone") == "\\frac{1}{2}"
+    assert extract_answer_is("The final answer is: **42**") == "42"
+    assert extract_last_number("5 + 7 = 12, and 1,234.5 more") == "1234.5"
+    assert extract_last_number("a/b is 3/4") == "3/4"
+
+
+def test_extract_answer_respects_answer_format():
+    text = "The answer is 12. \\boxed{13} <answer>14</answer>"
+    assert extract_answer(text, "answer_tag") == "14"
+    assert extract_answer(text, "boxed") == "13"
+    assert extract_answer(text, "auto") == "14"
+    assert extract_answer("the answer is 12", "answer_tag") is None
+    assert extract_answer("the answer is 12 (I think 13)", "auto") == "12 (I think 13)"
+    assert extract_answer("I got 5 then 9", "auto") == "9"
+    assert extract_answer("nothing here", "auto") is None
+
+
+def test_well_formed():
+    assert is_well_formed("<answer>3</answer>", "answer_tag")
+    assert not is_well_formed("<answer>3</answer><answer>4</answer>", "answer_tag")
+    assert not is_well_formed("<answer>3", "answer_tag")
+    assert not is_well_formed("<answer> </answer>", "answer_tag")
+    assert is_well_formed("\\boxed{3}", "boxed") and not is_well_formed("\\boxed{3", "boxed")
+    assert is_well_formed("\\boxed{3}", "auto") and is_well_formed("<answer>3</answer>", "auto")
+
+
+def test_resolve_kind():
+    assert resolve_kind("auto", "reasoning_gym") == "reasoning_gym"
+    assert resolve_kind("auto", "jsonl") == "math"
+    assert resolve_kind("math", "reasoning_gym") == "math"
+
+
+# ---- the sandboxed reward function ---------------------------------------------------------------------------------
+
+def item(answer, **meta):
+    return PromptItem(prompt_ids=[], prompt_text="", answer=answer, meta=meta, source="test")
+
+
+@pytest.fixture(scope="module")
+def math_reward():
+    rf = RewardFn(RewardConfig(kind="auto", answer_format="auto", timeout_s=TIMEOUT, format_reward=0.1),
+                  "jsonl", scorer=misbehaving_scorer)
+    yield rf
+    rf.close()
+
+
+def test_math_verify_equivalence(math_reward):
+    cases = [("\\frac{1}{2}", "<answer>0.5</answer>", 1.1),
+             ("0.5", "therefore \\boxed{\\frac{1}{2}}", 1.1),  # auto format: a box is well-formed too
+             ("1000", "The answer is 1,000.", 1.0),
+             ("\\frac{\\sqrt{3}}{2}", "<answer>\\dfrac{\\sqrt{3}}{2}</answer>", 1.1),
+             ("3", "<answer>4</answer>", 0.1),  # wrong, but well-formed: only the format bonus
+             ("3", "I have no idea", 0.0)]
+    rewards, stats = math_reward.score([item(g) for g, _, _ in cases], [c for _, c, _ in cases])
+    assert rewards == pytest.approx([r for _, _, r in cases])
+    assert stats["num_correct"] == 4 and stats["num_format_ok"] == 4 and stats["num_no_answer"] == 1
+    assert stats["num_timeouts"] == stats["num_errors"] == 0
+    assert "math_verify" not in sys.modules  # verification never ran in this process
+
+
+def test_pathological_math_times_out_and_is_counted(math_reward):
+    t0 = time.monotonic()
+    rewards, stats = math_reward.score([item("3"), item("3"), item("3")],
+                                       ["<answer>9^{9^{9^{9}}}</answer>", "<answer>9**9**9**9</answer>",
+                                        "<answer>3</answer>"])
+    assert time.monotonic() - t0 < TIMEOUT + SLACK
+    assert rewards == pytest.approx([0.0, 0.1, 1.1])
+    assert stats["num_timeouts"] == 1
+
+
+def test_hang_in_c_is_killed_and_does_not_block_later_batches(math_reward):
+    before = math_reward._pool.num_restarts
+    t0 = time.monotonic()
+    rewards, stats = math_reward.score([item("2")] * 4, ["HANG_IN_C", "<answer>2</answer>", "SPIN", "\\boxed{2}"])
+    elapsed = time.monotonic() - t0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    assert rewards == pytest.approx([0.0, 1.1, 0.0, 1.1])
+    assert stats["num_timeouts"] == 2 and stats["num_pool_restarts"] == 1
+    assert math_reward._pool.num_restarts == before + 1
+    t0 = time.monotonic()
+    rewards, stats = math_reward.score([item("5")] * 3, ["<answer>5</answer>"] * 3)
+    assert rewards == pytest.approx([1.1] * 3) and stats["num_pool_restarts"] == 0
+    assert time.monotonic() - t0 < 2 * TIMEOUT
+
+
+def test_raising_dying_and_invalid_verifiers_score_zero_and_are_counted(math_reward):
+    rewards, stats = math_reward.score([item("1")] * 6, ["RAISE", "DIE", "<answer>1</answer>", "BAD_SCORE",
+                                                         "<answer>1</answer>", "\\boxed{1}"])
+    # the crash is pinned on its own sample: the ones in flight with it are retried, not blamed
+    assert rewards == pytest.approx([0.0, 0.0, 1.1, 0.0, 1.1, 1.1])
+    assert stats["num_errors"] == 3 and stats["num_timeouts"] == 0
+
+
+def test_worker_memory_limit(math_reward):
+    # 3 GiB against reward.worker_memory_mb=2048: refused at once (MemoryError), not minutes of host swapping
+    rewards, stats = math_reward.score([item("1")] * 2, ["ALLOC", "<answer>1</answer>"])
+    assert rewards == pytest.approx([0.0, 1.1])
+    assert stats["num_errors"] == 1 and stats["num_timeouts"] == 0
+
+
+@pytest.mark.parametrize("kind", ["math", "reasoning_gym"])
+def test_hostile_strings_score_zero_and_do_nothing(tmp_path, kind):
+    marker = tmp_path / "pwned"
+    payloads = [f"__import__('os').system('touch {marker}')",
+                f"<answer>__import__('os').system('touch {marker}')</answer>",
+                f"\\boxed{{__import__('pathlib').Path('{marker}').touch()}}",
+                f"The answer is eval(\"open('{marker}', 'w')\")",
+                "<answer>" + "{" * 5000 + "</answer>"]
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("chain_sum", seed=0, size=1)[0]
+    it = item(entry["answer"], task="chain_sum", task_params={}, entry=entry)
+    with RewardFn(RewardConfig(kind=kind, timeout_s=TIMEOUT), "reasoning_gym") as rf:
+        rewards, stats = rf.score([it] * len(payloads), payloads)
+    assert rewards == [0.0] * len(payloads)
+    assert not marker.exists()
+
+
+def test_reasoning_gym_chain_sum_scoring():
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset("chain_sum", seed=3, size=3)
+    entries = [ds[i] for i in range(3)]
+    items = [item(e["answer"], task="chain_sum", task_params={}, entry=e) for e in entries]
+    completions = [f"<answer>{entries[0]['answer']}</answer>",
+                   f"<answer>{int(entries[1]['answer']) + 1}</answer>",
+                   f"The sum is {entries[2]['answer']}"]  # right number, but no tags
+    cfg = RewardConfig(kind="auto", answer_format="answer_tag", timeout_s=TIMEOUT, format_reward=0.5)
+    with RewardFn(cfg, "reasoning_gym") as rf:
+        rewards, stats = rf.score(items, completions)
+    assert rewards == pytest.approx([1.5, 0.5, 0.0])
+    assert stats["num_format_ok"] == 2 and stats["num_no_answer"] == 1 and stats["num_correct"] == 1
