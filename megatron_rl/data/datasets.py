@@ -162,11 +162,13 @@ def _parse_record(line: str, lineno: int) -> tuple[str, str, dict[str, Any]]:
 class JsonlDataset(PromptDataset):
     kind = "jsonl"
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path):
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, path: str | Path, *, limit: Optional[int] = None):
         super().__init__(cfg, tokenizer)
         self.path = Path(path)
         self.source = f"jsonl:{self.path}"
         self._records, self.num_malformed = read_jsonl(self.path, cfg.skip_malformed)
+        if limit is not None:
+            self._records = self._records[:limit]  # the first `limit` usable records, in file order
         if not self._records:
             raise DataError(f"{self.path}: no usable records")
 
@@ -187,7 +189,8 @@ def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, split: Literal["train", 
 
     reasoning-gym: train = task seeded by data.train_seed with data.train_size items; val = data.val_seed with
     `size` items (pass grpo.val_num_prompts; without it, data.train_size — items are built lazily either way).
-    jsonl: data.path / data.val_path; the validation split is None when data.val_path is not set.
+    jsonl: data.path / data.val_path (`size`, if given, keeps the first `size` usable records); the validation
+    split is None when data.val_path is not set.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
@@ -203,7 +206,7 @@ def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, split: Literal["train", 
             if split == "val":
                 return None
             raise DataError("data.path must name a JSONL file when data.source is 'jsonl'")
-        return JsonlDataset(cfg, tokenizer, path)
+        return JsonlDataset(cfg, tokenizer, path, limit=size)
     raise DataError(f"data.source {cfg.source!r} is not one of reasoning_gym, jsonl")
 
 

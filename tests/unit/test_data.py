@@ -126,6 +126,9 @@ def test_jsonl_skip_malformed_counts(tmp_path):
     assert [ds.item(i).answer for i in range(3)] == ["\\frac{3}{4}", "204", "7"]
     assert ds.item(0).meta == {"solution": "add", "line": 1} and ds.item(2).meta["line"] == 6
     assert load_dataset(DataConfig(source="jsonl", path=str(p)), CharTokenizer(), "val") is None
+    capped = load_dataset(DataConfig(source="jsonl", val_path=str(p), skip_malformed=True), CharTokenizer(), "val",
+                          size=2)
+    assert len(capped) == 2
 
 
 def test_prompt_stream_resume_sees_identical_prompts():
