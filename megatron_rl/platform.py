@@ -106,6 +106,9 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
 class _NullStream:
     """Stand-in for a CUDA stream on CPU: work is synchronous, so waits and events are no-ops."""
 
+    def __init__(self, *_a, **_k):
+        pass
+
     def wait_stream(self, *_):
         pass
 
@@ -140,7 +143,7 @@ def install_megatron_cpu_compat() -> None:
     cuda.synchronize = lambda *a, **k: None
     cuda.current_stream = lambda *a, **k: _NullStream()
     cuda.default_stream = lambda *a, **k: _NullStream()
-    cuda.Stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    cuda.Stream = _NullStream  # a class, so annotations like `torch.cuda.Stream | None` keep working
     cuda.stream = lambda *a, **k: _NullStream()
     cuda.empty_cache = lambda: None
     # The "CUDA" RNG becomes the CPU default generator. Seed it directly: torch.manual_seed itself calls

@@ -98,13 +98,16 @@ class VLLMGenerator(Generator):
         from vllm import LLM
 
         t0 = time.perf_counter()
-        self._llm = LLM(**kwargs)
+        try:
+            self._llm = LLM(**kwargs)
+        finally:
+            if cpu:
+                # The in-process engine drops the whole process to 1 torch thread and disables
+                # torch.set_num_threads; a trainer sharing this process must keep its own setting, so undo both
+                # (generation and refit set their own count while they run).
+                torch.set_num_threads = _SET_NUM_THREADS
+                _SET_NUM_THREADS(threads_before)
         self.startup_s = time.perf_counter() - t0
-        if cpu:
-            # The in-process engine drops the whole process to 1 torch thread and disables torch.set_num_threads;
-            # a trainer sharing this process must keep its own setting, so undo both (generation sets its own).
-            torch.set_num_threads = _SET_NUM_THREADS
-            _SET_NUM_THREADS(threads_before)
 
         setup = self._llm.collective_rpc("mrl_setup")
         self._untruncated_logprobs = all(s["untruncated_logprobs"] for s in setup)

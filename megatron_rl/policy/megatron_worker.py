@@ -278,6 +278,26 @@ class MegatronPolicyWorker(RankWorker):
         if bucket:
             yield bucket
 
+    def send_weights(self, version: int, transport: str, bucket_bytes: int = 256 << 20) -> dict | None:
+        """Export through a refit transport; the TP-rank-0, DP-rank-0 rank of each stage returns its handle."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.weights.transport import send
+
+        buckets = self.export_weights(bucket_bytes)  # collective over TP: every TP rank must iterate it
+        if ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0:
+            handle, keepalive = send(buckets, version, transport)
+            self._refit_keepalive = keepalive  # CUDA IPC buffers must outlive the receiver's load
+            return handle.to_dict()
+        for _ in buckets:
+            pass
+        return None
+
+    def set_threads(self, n: int) -> None:
+        from megatron_rl.platform import set_cpu_threads
+
+        set_cpu_threads(n)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""
         from megatron.core import parallel_state as ps
@@ -314,6 +334,15 @@ class MegatronPolicyWorker(RankWorker):
         if "rng" in extra:
             torch.set_rng_state(extra["rng"])
         return extra.get("driver", {})
+
+    def load_weights(self, path: str) -> None:
+        """Model weights only (stage chains: the next stage starts from the previous stage's final weights with a
+        fresh optimizer); they also become this stage's KL reference."""
+        from megatron_rl.models.checkpoint import load_checkpoint
+
+        load_checkpoint(path, self.gpt)
+        self.optimizer.reload_model_params()  # fp32 main params / distributed shards follow the loaded weights
+        self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
 
     def _materialize_optimizer_state(self) -> None:
         """A fresh torch Adam has no state (not even 'step') until its first step, and megatron's optimizer state

@@ -1,0 +1,87 @@
+"""pass@1 / pass@k with the same generator and verifier as training.
+
+    megatron-rl eval --model DIR --data chain_sum [--task-params JSON] [--jsonl FILE] --n K [--num-prompts N]
+
+pass@1 is the mean score over all n samples of every prompt (an unbiased estimate of single-sample accuracy);
+pass@k is the fraction of prompts with at least one correct sample among the k drawn.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: float, top_p: float, max_tokens: int,
+             version: int | None = None, seed: int = 0) -> dict:
+    kw = dict(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens, seed=seed)
+    if version is not None:
+        kw["expected_version"] = version
+    res = generator.generate([it.prompt_ids for it in items], **kw)
+    texts = [tokenizer.decode(t) for t in res.token_ids]
+    rewards, stats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
+    correct = [r >= 1.0 for r in rewards]
+    per_prompt = [any(correct[k] for k in res.for_prompt(i)) for i in range(len(items))]
+    return {"val_accuracy": sum(correct) / max(len(correct), 1),
+            "val_pass_at_k": sum(per_prompt) / max(len(per_prompt), 1),
+            "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))]}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model folder (e.g. the output of convert megatron-to-hf)")
+    ap.add_argument("--config", default=None, help="YAML whose data/reward/generation sections to use")
+    ap.add_argument("--data", default=None, help="reasoning-gym task name (overrides the config)")
+    ap.add_argument("--jsonl", default=None, help="JSONL file with problem/answer (overrides --data)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (k of pass@k)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--out", default=None, help="write the JSON result here too")
+    ap.add_argument("overrides", nargs="*", help="config overrides key.path=value")
+    args = ap.parse_args(argv)
+
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config.schema import Config
+    from megatron_rl.data.datasets import load_dataset
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.generation.vllm_generator import VLLMGenerator
+    from megatron_rl.rewards.reward_fn import RewardFn
+
+    overrides = list(args.overrides) + [f"policy.model={args.model}"]
+    if args.jsonl:
+        overrides += ["data.source=jsonl", f"data.val_path={args.jsonl}", f"data.path={args.jsonl}"]
+    elif args.data:
+        overrides += ["data.source=reasoning_gym", f"data.task={args.data}"]
+    try:
+        if args.config:
+            cfg = load_config(args.config, overrides)
+        else:
+            from megatron_rl.config.loader import apply_overrides, from_dict, validate
+
+            cfg = validate(from_dict(apply_overrides({}, overrides)))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(cfg.policy.tokenizer or args.model)
+    ds = load_dataset(cfg.data, tok, "val", size=args.num_prompts)
+    items = [it for it in (ds.item(i) for i in range(min(args.num_prompts, len(ds)))) if it is not None]
+    reward_fn = RewardFn(cfg.reward, cfg.data.source)
+    t0 = time.time()
+    gen = VLLMGenerator(cfg.generation, args.model,
+                        max_model_len=cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens)
+    try:
+        result = evaluate(gen, items, reward_fn, tok, n=args.n,
+                          temperature=args.temperature if args.temperature is not None else cfg.generation.temperature,
+                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens)
+    finally:
+        gen.shutdown()
+        reward_fn.close()
+    result["seconds"] = round(time.time() - t0, 2)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0

@@ -1,0 +1,72 @@
+"""From prompts to a training batch: generate G samples per prompt, score them, compute group advantages.
+
+Pure bookkeeping over the narrow interfaces (a generator proxy, a reward function, a tokenizer); no ranks or devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_rl.algorithms.advantages import dynamic_sample, group_advantages
+from megatron_rl.config.schema import Config
+from megatron_rl.policy.interface import RolloutBatch
+
+
+@dataclass
+class Rollout:
+    batch: RolloutBatch
+    rewards: torch.Tensor  # [groups, G]
+    completions: list[str]
+    stats: dict = field(default_factory=dict)
+
+
+def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version: int):
+    """Draw prompts, generate, score. Returns (SampledGroups of (item, samples) payloads, reward stats)."""
+    g = cfg.generation
+    G = cfg.grpo.num_generations_per_prompt
+    totals: dict = {"num_generated_tokens": 0, "num_samples": 0, "num_truncated": 0}
+
+    def draw(n: int):
+        items = stream.next_batch(n)
+        res = generator.generate([it.prompt_ids for it in items], n=G, temperature=g.temperature, top_p=g.top_p,
+                                 top_k=g.top_k, max_tokens=g.max_new_tokens, stop=g.stop or None,
+                                 expected_version=version)
+        texts = [tokenizer.decode(t) for t in res.token_ids]
+        rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
+        for k, v in rstats.items():
+            if isinstance(v, (int, float)):
+                totals[k] = totals.get(k, 0) + v
+        totals["num_generated_tokens"] += res.num_generated_tokens
+        totals["num_samples"] += len(res)
+        totals["num_truncated"] += sum(r == "length" for r in res.finish_reasons)
+        payloads = []
+        for i, it in enumerate(items):
+            idx = list(res.for_prompt(i))
+            payloads.append((it, [(res.token_ids[k], res.logprobs[k], texts[k]) for k in idx]))
+        return payloads, torch.tensor(rewards, dtype=torch.float32).view(len(items), G)
+
+    groups = dynamic_sample(draw, cfg.grpo.num_prompts_per_step, cfg.grpo.advantage)
+    totals.update(num_groups_dropped=groups.num_dropped, sampling_rounds=groups.rounds)
+    return groups, totals
+
+
+def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
+    """Advantages per group, then one sequence per sample (prompt + response). Empty responses are dropped: they have
+    no token to train and a zero-length sequence would divide by zero downstream."""
+    adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage)
+    ids, plens, advs, gen_lps, gids, texts = [], [], [], [], [], []
+    for gi, (item, samples) in enumerate(groups.payloads):
+        for j, (tok, lps, text) in enumerate(samples):
+            if len(tok) == 0:
+                stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
+                continue
+            ids.append(list(item.prompt_ids) + list(tok))
+            plens.append(len(item.prompt_ids))
+            advs.append(float(adv[gi, j]))
+            gen_lps.append(torch.tensor(lps, dtype=torch.float32))
+            gids.append(gi)
+            texts.append(text)
+    batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids)
+    stats["num_nonfinite_rewards"] = num_bad
+    return Rollout(batch=batch, rewards=groups.rewards, completions=texts, stats=stats)

@@ -1,0 +1,112 @@
+"""What a run leaves behind for people and tools: metrics.jsonl, TensorBoard events, PNG plots, a progress bar.
+
+metrics.jsonl holds one flat JSON object per step (the contract's keys, DESIGN.md); resuming appends, after dropping
+lines for steps past the checkpoint the run resumed from, so the file always describes one consistent history.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+# (title, keys) per panel; missing keys are skipped
+PLOTS = [
+    ("reward", ["reward_mean", "val_accuracy", "val_pass_at_k"]),
+    ("generator / trainer mismatch", ["token_mult_prob_error"]),
+    ("response length (tokens)", ["response_len_mean"]),
+    ("seconds per step", ["time_generate_s", "time_logprobs_s", "time_train_s", "time_refit_s", "time_step_s"]),
+]
+
+
+class Tracker:
+    def __init__(self, out_dir: str | Path, *, resume_step: int, total_steps: int, tensorboard: bool, plots: bool,
+                 progress: bool, plot_every: int = 1):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    if resume_step > 0 and rec.get("step", 0) <= resume_step:
+                        self.history.append(rec)
+            self._rewrite()
+        self.plots, self.plot_every = plots, max(1, plot_every)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except Exception as e:  # tensorboard missing: keep running, say so once
+                print(f"[megatron-rl] TensorBoard disabled: {e}")
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        os.replace(tmp, self.path)
+
+    def log(self, rec: dict) -> None:
+        rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        self.history.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        step = rec["step"]
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)) and v is not None and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.bar is not None:
+            post = {"reward": f"{rec.get('reward_mean', 0):.3f}", "s/step": f"{rec.get('time_step_s', 0):.1f}"}
+            if rec.get("val_accuracy") is not None:
+                post["val"] = f"{rec['val_accuracy']:.3f}"
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+        if self.plots and step % self.plot_every == 0:
+            self.plot()
+
+    def log_validation(self, step: int, vals: dict) -> None:
+        """A validation-only record (e.g. the baseline before training): kept in the history for the plot."""
+        rec = {"step": step, **vals}
+        self.history.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def plot(self) -> Path | None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        for ax, (title, keys) in zip(axes.flat, PLOTS):
+            for k in keys:
+                pts = [(r["step"], r[k]) for r in self.history if r.get(k) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None, label=k)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        out = self.dir / "metrics.png"
+        tmp = self.dir / "metrics.tmp.png"
+        fig.savefig(tmp, dpi=90)
+        plt.close(fig)
+        os.replace(tmp, out)
+        return out
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

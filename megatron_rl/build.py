@@ -1,0 +1,103 @@
+"""The one place that turns a `Config` into running parts: Ray, placement, policy ranks, generator, data, reward.
+
+Colocated (default): policy ranks and the generator share each device bundle (fractional resources) and take turns;
+disaggregated: the generator gets bundles of its own. Everything CPU/GPU-specific comes from the platform module.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.config.loader import resolve_model_dir
+from megatron_rl.config.schema import Config
+from megatron_rl.platform import get_platform
+
+
+@dataclass
+class Components:
+    policy: object  # PolicyGroup
+    generator: object  # RemoteGenerator
+    tokenizer: object
+    train_stream: object  # PromptStream
+    val_items: list
+    reward_fn: object
+    placement: object
+    model_dir: Path
+
+    def shutdown(self) -> None:
+        # vLLM first: Ray's shutdown otherwise leaks its /dev/shm segments (ENVIRONMENT.md)
+        for part in (self.generator, self.policy):
+            try:
+                part.shutdown()
+            except Exception:
+                pass
+        try:
+            self.reward_fn.close()
+        except Exception:
+            pass
+        from megatron_rl.distributed.cluster import shutdown_ray
+
+        shutdown_ray()
+
+
+def max_model_len(cfg: Config) -> int:
+    return cfg.generation.max_model_len or (cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens)
+
+
+def build_data(cfg: Config, model_dir: Path):
+    from megatron_rl.data.datasets import PromptStream, load_dataset
+    from megatron_rl.data.tokenizer import tokenizer_for
+
+    tok = tokenizer_for(model_dir, cfg.policy.tokenizer)
+    train = load_dataset(cfg.data, tok, "train")
+    stream = PromptStream(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed)
+    val_items = []
+    if cfg.grpo.val_every > 0:
+        val = load_dataset(cfg.data, tok, "val", size=cfg.grpo.val_num_prompts)
+        if val is not None:
+            val_items = [it for it in (val.item(i) for i in range(min(len(val), cfg.grpo.val_num_prompts)))
+                         if it is not None]
+    return tok, stream, val_items
+
+
+def build(cfg: Config, out_dir: Path) -> Components:
+    import ray
+
+    from megatron_rl.distributed.cluster import init_ray, reserve
+    from megatron_rl.distributed.worker_group import WorkerGroup
+    from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
+    from megatron_rl.policy.group import PolicyGroup
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+    from megatron_rl.rewards.reward_fn import RewardFn
+
+    plat = get_platform()
+    model_dir = resolve_model_dir(cfg.policy.model)
+    tok, stream, val_items = build_data(cfg, model_dir)
+    reward_fn = RewardFn(cfg.reward, cfg.data.source)
+
+    c = cfg.cluster
+    devices = c.num_nodes * c.devices_per_node
+    world = cfg.policy.tp * cfg.policy.pp * (cfg.policy.dp or devices // (cfg.policy.tp * cfg.policy.pp))
+    init_ray(c, num_cpus=None if c.ray_address else os.cpu_count())
+    n_bundles = world if c.colocated else world + cfg.generation.tp
+    placement = reserve(n_bundles)
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    # CPU: phases alternate (generate, then train), so each side may use every core while the other sleeps
+    threads = None if plat.is_gpu else (cfg.policy.threads or max(1, cores // world))
+    share = 0.5 if c.colocated else 1.0
+    group = WorkerGroup(MegatronPolicyWorker, placement, name="policy", world_size=world, share=share,
+                        log_dir=str(logs), threads=threads, master_addr="127.0.0.1" if c.num_nodes == 1 else None,
+                        init_kwargs=dict(policy_cfg=cfg.policy, max_steps=cfg.grpo.max_steps))
+    policy = PolicyGroup(group)
+    gen_bundle = 0 if c.colocated else world
+    gen_log = str(logs / "generator.log")
+    actor = ray.remote(GeneratorActor).options(
+        **placement.actor_resources(share), scheduling_strategy=placement.strategy(gen_bundle), max_restarts=0,
+    ).remote(cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, gen_log,
+             None if plat.is_gpu else (cfg.generation.threads or cores))
+    generator = RemoteGenerator(actor, "generator", gen_log)
+    generator.pid()  # wait until the engine is up (and fail here, naming it, if it cannot start)
+    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir)

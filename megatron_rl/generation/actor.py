@@ -1,0 +1,109 @@
+"""The generator as a Ray actor, and a driver-side proxy with the `Generator` interface.
+
+The actor owns one engine (`VLLMGenerator`, in-process inside the actor) and receives refits by handle: the policy
+ranks write the bytes through the transport, only the small manifest passes through Ray. On a shared CPU the
+actor sets its own thread count per phase, so the idle trainer and the generator never compete for cores.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_rl.config.schema import GenerationConfig
+from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
+
+
+class GeneratorActor:
+    def __init__(self, cfg: GenerationConfig, model_path: str, max_model_len: int | None, seed: int,
+                 log_path: str | None = None, threads: int | None = None):
+        if log_path:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        from megatron_rl.generation.vllm_generator import VLLMGenerator
+
+        self.threads = threads
+        self.engine = VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts, **kw) -> GenerationResult:
+        if self.threads:
+            from megatron_rl.platform import set_cpu_threads
+
+            set_cpu_threads(self.threads)
+        return self.engine.generate(prompts, **kw)
+
+    def receive_weights(self, handle, expected_names=None) -> dict:
+        return self.engine.receive_weights(handle, expected_names)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class RemoteGenerator:
+    """Driver-side handle: every call fails fast, naming the actor, if the generator process died."""
+
+    def __init__(self, actor, name: str = "generator", log_path: str | None = None):
+        self.actor, self.name, self.log_path = actor, name, log_path
+
+    def _call(self, method: str, *args, **kwargs):
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+        except RayActorError as e:
+            tail = ""
+            if self.log_path and os.path.exists(self.log_path):
+                with open(self.log_path, errors="replace") as f:
+                    tail = "".join(f.readlines()[-20:])
+            from megatron_rl.distributed.worker_group import WorkerDiedError
+
+            raise WorkerDiedError(f"{self.name} died: {str(e).splitlines()[0]}\n--- last lines of its log ---\n"
+                                  f"{tail}") from None
+
+    def generate(self, prompts, *, expected_version: int, **kw) -> GenerationResult:
+        res = self._call("generate", prompts, **kw)
+        if res.weight_version != expected_version:
+            raise StaleWeightsError(f"{self.name} generated with weight version {res.weight_version}, "
+                                    f"expected {expected_version}")
+        return res
+
+    def receive_weights(self, handle, expected_names=None) -> dict:
+        return self._call("receive_weights", handle, expected_names)
+
+    @property
+    def weight_version(self) -> int:
+        return self._call("weight_version")
+
+    def pid(self) -> int:
+        return self._call("pid")
+
+    def sleep(self) -> None:
+        self._call("sleep")
+
+    def wake_up(self, tags=None) -> None:
+        self._call("wake_up", tags)
+
+    def shutdown(self) -> None:
+        try:
+            self._call("shutdown")
+        except Exception:
+            pass
+        import ray
+
+        ray.kill(self.actor, no_restart=True)

@@ -1,0 +1,72 @@
+"""Driver-side `PolicyWorker`: the Megatron ranks as one object, results in batch order.
+
+Every rank gets the whole batch (one object-store put, shared by all actors) and computes the same micro-batch plan;
+the output ranks (last pipeline stage, TP rank 0, one per DP replica) return {batch index: tensor}, merged here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_rl.distributed.worker_group import WorkerGroup
+from megatron_rl.policy.interface import LossFn, RolloutBatch, TrainResult
+from megatron_rl.weights.transport import RefitHandle
+
+
+def _merge(per_rank: list[dict | None], n: int, what: str) -> list:
+    out: dict[int, Any] = {}
+    for r in per_rank:
+        if r:
+            out.update(r)
+    missing = [i for i in range(n) if i not in out]
+    if missing:
+        raise RuntimeError(f"policy returned no {what} for sequences {missing[:8]}")
+    return [out[i] for i in range(n)]
+
+
+class PolicyGroup:
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+        self.info = group.call("setup")
+
+    def _put(self, batch: RolloutBatch):
+        import ray
+
+        return ray.put(batch)
+
+    def logprobs(self, batch: RolloutBatch, temperature: float = 1.0) -> list[torch.Tensor]:
+        return _merge(self.group.call("logprobs", self._put(batch), temperature), len(batch), "logprobs")
+
+    def reference_logprobs(self, batch: RolloutBatch, temperature: float = 1.0) -> list[torch.Tensor]:
+        res = self.group.call("reference_logprobs", self._put(batch), temperature)
+        return _merge(res, len(batch), "reference logprobs")
+
+    def train(self, batch: RolloutBatch, loss_fn: LossFn, temperature: float = 1.0) -> TrainResult:
+        outs = [o for o in self.group.call("train", self._put(batch), loss_fn, temperature) if o]
+        lps = _merge([o["logprobs"] for o in outs], len(batch), "training logprobs")
+        return TrainResult(metrics=outs[0]["metrics"], logprobs=lps, skipped=outs[0]["skipped"])
+
+    def send_weights(self, version: int, transport: str, bucket_bytes: int) -> RefitHandle:
+        """Each pipeline stage exports its tensors; the handles are merged into one update for the generator."""
+        handles = [RefitHandle.from_dict(h) for h in self.group.call("send_weights", version, transport, bucket_bytes)
+                   if h]
+        return RefitHandle(handles[0].transport, version, [b for h in handles for b in h.buckets])
+
+    def save(self, path: str, extra: dict | None = None) -> None:
+        self.group.call("save", path, extra)
+
+    def load(self, path: str) -> dict:
+        return self.group.call("load", path)[0]
+
+    def offload(self) -> None:
+        self.group.call("offload")
+
+    def onload(self) -> None:
+        self.group.call("onload")
+
+    def set_threads(self, n: int) -> None:
+        self.group.call("set_threads", n)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
