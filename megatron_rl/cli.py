@@ -57,8 +57,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megatron_rl.algorithms.stages import is_chain, run_chain
     from megatron_rl.config import ConfigError, load_config
 
+    try:
+        if is_chain(args.config):
+            return run_chain(args.config, args.overrides, dry_run=args.dry_run)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

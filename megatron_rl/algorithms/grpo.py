@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -170,6 +171,9 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
     print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
+    # scancel / kill send SIGTERM: turn it into an exception so the engine and Ray shut down cleanly (no leaked
+    # /dev/shm segments); the last complete checkpoint is untouched either way.
+    signal.signal(signal.SIGTERM, _terminate)
     c = build(cfg, out)
     tracker = None
     try:
@@ -205,6 +209,10 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
         if tracker is not None:
             tracker.close()
         c.shutdown()
+
+
+def _terminate(signum, _frame):
+    raise SystemExit(128 + signum)
 
 
 def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:

@@ -27,7 +27,11 @@ def tiny_model_dir(tmp_path, heads=4, kv=2, layers=4):
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates(path):
     tree = read_yaml_tree(path)
-    if "stages" in tree:  # stage chains are lists of configs; each stage is itself a file in configs/
+    if "stages" in tree:  # a stage chain: every stage must load and validate, each initialised from the last
+        from megatron_rl.algorithms.stages import load_stages
+
+        for st in load_stages(path):
+            load_config(st.config, st.overrides + ["init_from=/prev/step_1"], check_model=False)
         return
     # the model is checked separately (it may be a path on a cluster); everything else must be valid here
     cfg = load_config(path, check_model=False)
