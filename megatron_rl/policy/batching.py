@@ -4,6 +4,10 @@ Sequence i of length L is fed as tokens[0 : L-1] and predicts targets tokens[1 :
 (`input_ids[p + k]`, p = prompt length) is therefore predicted at position p - 1 + k. Rows are right-padded to the
 micro-batch's longest row; causal attention means padding never influences real positions, and padded positions
 get target -1 (the kernels' ignore index) and mask 0.
+
+A row may instead hold a whole group sharing its prompt (`dense_rows`, layout in `policy/packing.py`); then the
+micro-batch carries an explicit attention mask and per-token positions, and `spans` locate each sequence's response
+predictions. Response tokens are flattened row by row, which is the order of `indices`.
 """
 from __future__ import annotations
 
@@ -11,18 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl.policy import packing
 from megatron_rl.policy.interface import RolloutBatch
 
 
 @dataclass
 class DenseMicroBatch:
-    indices: list[int]  # positions in the RolloutBatch
+    indices: list[int]  # positions in the RolloutBatch, in the order their response tokens appear in `flat(...)`
     tokens: torch.Tensor  # [b, s] long
     position_ids: torch.Tensor  # [b, s]
     targets: torch.Tensor  # [b, s] long, -1 where not a response token
     resp_mask: torch.Tensor  # [b, s] bool: True at positions predicting a response token
     resp_lens: list[int]
-    prompt_lens: list[int]
+    spans: list[tuple[int, int]]  # per sequence: (row, first column) of its response-token predictions
+    attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool, True = masked; None = plain causal
 
 
 def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> None:
@@ -49,26 +55,43 @@ def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> Non
 
 
 def dense(batch: RolloutBatch, indices: list[int], pad_id: int = 0) -> DenseMicroBatch:
-    seqs = [batch.input_ids[i] for i in indices]
-    plens = [batch.prompt_lens[i] for i in indices]
-    s = max(len(x) for x in seqs) - 1
-    b = len(seqs)
+    """One row per sequence (the unshared layout)."""
+    return dense_rows(batch, [[i] for i in indices], pad_id)
+
+
+def dense_rows(batch: RolloutBatch, rows: list[list[int]], pad_id: int = 0) -> DenseMicroBatch:
+    """One row per unit: a single sequence, or a group sharing its prompt (`policy/packing.py`)."""
+    layouts = [packing.row_layout([batch.input_ids[i] for i in u], batch.prompt_lens[u[0]]) for u in rows]
+    b, s = len(rows), max(len(lay.tokens) for lay in layouts)
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
     targets = torch.full((b, s), -1, dtype=torch.long)
+    # padding continues the row's positions so that a padded single-sequence row keeps positions 0..s-1 (the model
+    # then uses its standard RoPE table); padded positions' outputs are never read
+    pos = torch.arange(s, dtype=torch.long).repeat(b, 1)
+    segments = torch.full((b, s), packing.SHARED, dtype=torch.long)
     mask = torch.zeros((b, s), dtype=torch.bool)
-    for r, (ids, p) in enumerate(zip(seqs, plens)):
-        t = torch.tensor(ids, dtype=torch.long)
-        n = len(ids) - 1
-        tokens[r, :n] = t[:-1]
-        targets[r, p - 1:n] = t[p:]
-        mask[r, p - 1:n] = True
-    pos = torch.arange(s, dtype=torch.long).unsqueeze(0).expand(b, s).contiguous()
-    return DenseMicroBatch(indices, tokens, pos, targets, mask, [len(x) - p for x, p in zip(seqs, plens)], plens)
+    indices, resp_lens, spans = [], [], []
+    for r, (unit, lay) in enumerate(zip(rows, layouts)):
+        n = len(lay.tokens)
+        tokens[r, :n] = torch.tensor(lay.tokens, dtype=torch.long)
+        targets[r, :n] = torch.tensor(lay.targets, dtype=torch.long)
+        segments[r, :n] = torch.tensor(lay.segments, dtype=torch.long)
+        if n:
+            last = lay.positions[-1]
+            pos[r, :n] = torch.tensor(lay.positions, dtype=torch.long)
+            pos[r, n:] = torch.arange(last + 1, last + 1 + s - n)
+        for i, (c, k) in zip(unit, lay.spans):
+            mask[r, c:c + k] = True
+            indices.append(i)
+            resp_lens.append(k)
+            spans.append((r, c))
+    attn = packing.attention_mask(segments) if any(len(u) > 1 for u in rows) else None
+    return DenseMicroBatch(indices, tokens, pos, targets, mask, resp_lens, spans, attn)
 
 
 def split_rows(values: torch.Tensor, mb: DenseMicroBatch) -> list[torch.Tensor]:
     """[b, s] per-position values -> one 1-D tensor of response-token values per sequence."""
-    return [values[r, p - 1:p - 1 + n] for r, (p, n) in enumerate(zip(mb.prompt_lens, mb.resp_lens))]
+    return [values[r, c:c + n] for (r, c), n in zip(mb.spans, mb.resp_lens)]
 
 
 def gather_field(values: list[torch.Tensor] | None, mb: DenseMicroBatch) -> torch.Tensor | None:

@@ -10,6 +10,10 @@ Loss normalisation: the loss function already divides by global counts. megatron
 over DP; `finalize_model_grads` then divides the gradient by the sum of the token counts the loss functions report.
 We report D = the global token count exactly once (first micro-batch of DP rank 0) and return loss * D, so the
 gradient is exactly that of the normalised loss, whatever the split.
+
+Shared prefix (`policy.shared_prefix`): each GRPO group becomes one row, its prompt computed once
+(`policy/packing.py`); the model is patched to honour per-token positions and explicit masks
+(`policy/model_hooks.py`). Outputs and loss inputs are per sequence as in the unshared layout.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
-from megatron_rl.policy import batching
+from megatron_rl.policy import batching, packing
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.microbatch import plan
@@ -79,6 +83,7 @@ class MegatronPolicyWorker(RankWorker):
         load_hf_into_model(gpt, HFCheckpoint(self.model_dir))
         self.spec = gpt.megatron_rl_spec
         tcfg = gpt.config
+        self.shared_prefix = self._enable_shared_prefix(gpt)
         tcfg.calculate_per_token_loss = True
         tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
         self.gpt = gpt
@@ -99,6 +104,18 @@ class MegatronPolicyWorker(RankWorker):
         return {"rank": self.rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": self.dp_rank,
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_size": self.dp_size,
                 "num_params": sum(p.numel() for p in self.gpt.parameters())}
+
+    def _enable_shared_prefix(self, gpt) -> bool:
+        """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""
+        from megatron_rl.policy.model_hooks import install_explicit_mask_attention, install_position_rope
+
+        if not self.cfg.shared_prefix:
+            return False
+        # megatron replaces any given mask by its sliding-window mask, and TE's fused RoPE takes one position table
+        # for the whole batch: both would silently ignore the packed layout
+        if self.spec.sliding_window is not None or gpt.config.apply_rope_fusion:
+            return False
+        return install_position_rope(gpt) and install_explicit_mask_attention(gpt) > 0
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -124,9 +141,16 @@ class MegatronPolicyWorker(RankWorker):
         batching.check_batch(batch, self.spec.vocab_size, self.spec.max_position_embeddings)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        lengths = [len(x) - 1 for x in batch.input_ids]
-        mbs = plan(lengths, self.dp_size, self.dp_rank, self.cfg.max_tokens_per_microbatch)
-        return [batching.dense(batch, mb.indices) for mb in mbs]
+        budget = self.cfg.max_tokens_per_microbatch
+        # the packing unit is a row: a whole group when it shares its prompt, else one sequence
+        units = packing.plan_units(batch, shared=self.shared_prefix, max_tokens=budget, dp_size=self.dp_size)
+        lengths = [packing.unit_length(batch, u) for u in units]
+        mbs = plan(lengths, self.dp_size, self.dp_rank, budget)
+        return [batching.dense_rows(batch, [units[k] for k in mb.indices]) for mb in mbs]
+
+    def _forward(self, model, mb: batching.DenseMicroBatch):
+        mask = mb.attention_mask.to(self.device) if mb.attention_mask is not None else None
+        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask)
 
     def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
         from kernels import token_logprobs_and_entropy
@@ -154,7 +178,7 @@ class MegatronPolicyWorker(RankWorker):
 
         def step(data_iter, model):
             mb = next(data_iter)
-            logits = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), None)
+            logits = self._forward(model, mb)
 
             def loss_func(logits):
                 lp, ent = self._token_stats(logits, mb.targets, temperature)
@@ -197,7 +221,7 @@ class MegatronPolicyWorker(RankWorker):
 
         def step(data_iter, model):
             mb = next(data_iter)
-            logits = model(mb.tokens.to(self.device), mb.position_ids.to(self.device), None)
+            logits = self._forward(model, mb)
 
             def loss_func(logits):
                 lp, ent = self._token_stats(logits, mb.targets, temperature)

@@ -1,0 +1,105 @@
+"""Make a megatron-core GPTModel honour per-token `position_ids` in RoPE, and explicit attention masks.
+
+Both are needed by group-shared prefix packing (`policy/packing.py`), where positions restart for every completion
+and attention is block-structured. The worker installs them once after building the model (every pipeline stage).
+
+RoPE. megatron-core's `GPTModel._preprocess` asks `rotary_pos_emb(seq_len)` for the table of positions 0..s-1 and
+ignores `position_ids`. We patch that one module instance: a forward pre-hook on the GPTModel records the call's
+`position_ids`, and the rotary module's forward then returns per-token frequencies [s, b, 1, d] (positions gathered
+per row) instead of [s, 1, 1, d]. megatron's unfused bshd `apply_rotary_pos_emb` broadcasts either shape against
+[s, b, heads, d]. The frequencies are computed from the module's *current* `inv_freq` (so the llama3-scaled one that
+`build_model` installs is used) with megatron's own arithmetic (position * 1/interpolation, times inv_freq, cat or
+interleave), so a row with positions 0..s-1 gets bit-identical values; such calls (all rows plain 0..s-1) go to the
+stock, cached path unchanged. TE's fused RoPE takes only [s, 1, 1, d]: callers keep `apply_rope_fusion` off.
+
+Masks. With an explicit mask the attention must use it, whatever mask type the layer spec fixed (causal). The local
+spec's unfused softmax already applies a given mask, but its fused CUDA kernel (fp16/bf16) and transformer-engine
+follow the mask *type* and would build a causal mask instead. A forward pre-hook on every core-attention module makes
+the type `arbitrary` for calls that carry a mask and leaves mask-less calls on the spec's causal path (TE's fused
+kernels stay in use for those). Under TE, `arbitrary` runs TE's unfused (PyTorch) attention backend with the
+[b, 1, s, s] bool mask — correct, O(s^2) memory per head; flash/cuDNN kernels do not take arbitrary masks.
+The type is decided per call from the call's own arguments, so activation recompute (which re-runs the forward
+with the same arguments) sees the same type.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def position_freqs(rope, position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] positions -> [s, b, 1, rot_dim] rotary angles, megatron's layout and arithmetic."""
+    inv = rope.inv_freq.to(position_ids.device)
+    seq = position_ids.to(inv.dtype)
+    if rope.seq_len_interpolation_factor is not None:
+        seq = seq * (1 / rope.seq_len_interpolation_factor)
+    freqs = seq[..., None] * inv  # [b, s, d/2]; the same products torch.outer forms
+    if getattr(rope, "rotary_interleaved", False):
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.transpose(0, 1)[:, :, None, :].contiguous()
+
+
+def _plain(position_ids: torch.Tensor) -> bool:
+    s = position_ids.shape[-1]
+    return bool((position_ids == torch.arange(s, device=position_ids.device)).all())
+
+
+def install_position_rope(gpt) -> bool:
+    """Patch `gpt` (a GPTModel, any pipeline stage) so RoPE follows `position_ids`. Idempotent; False if no RoPE."""
+    rope = getattr(gpt, "rotary_pos_emb", None)
+    if rope is None or getattr(gpt, "_megatron_rl_position_rope", False):
+        return rope is not None
+    stock = rope.forward  # the class's lru-cached forward, bound to this instance
+    current: dict = {"pos": None}
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        pos = current["pos"]
+        if pos is None or packed_seq or offset:
+            return stock(max_seq_len, offset, packed_seq, cp_group)
+        if cp_group is not None and cp_group.size() > 1:
+            raise NotImplementedError("per-token RoPE positions with context parallelism")
+        if pos.shape[-1] != max_seq_len:
+            raise ValueError(f"position_ids cover {pos.shape[-1]} tokens but the model runs {max_seq_len}")
+        return position_freqs(rope, pos)
+
+    def record_positions(_module, args, kwargs):
+        pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        current["pos"] = None if pos is None or _plain(pos) else pos
+
+    rope.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
+    gpt.register_forward_pre_hook(record_positions, with_kwargs=True)
+    gpt._megatron_rl_position_rope = True
+    return True
+
+
+def install_explicit_mask_attention(gpt) -> int:
+    """Core attention follows an explicit mask when one is passed (type `arbitrary`). Returns modules hooked."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if getattr(gpt, "_megatron_rl_explicit_mask", False):
+        return 0
+    n = 0
+    for name, module in gpt.named_modules():
+        if not name.endswith("self_attention.core_attention"):
+            continue
+        softmax = getattr(module, "scale_mask_softmax", None)  # local spec: the type lives here
+        spec_type = softmax.attn_mask_type if softmax is not None else None
+
+        def choose_type(_module, args, kwargs, softmax=softmax, spec_type=spec_type):
+            mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+            kind = AttnMaskType.arbitrary if mask is not None else None
+            if softmax is not None:
+                softmax.attn_mask_type = kind or spec_type
+            if kind is None:
+                return None
+            if len(args) > 4:
+                args = args[:4] + (kind,) + args[5:]
+            else:
+                kwargs["attn_mask_type"] = kind
+            return args, kwargs
+
+        module.register_forward_pre_hook(choose_type, with_kwargs=True)
+        n += 1
+    gpt._megatron_rl_explicit_mask = True
+    return n
