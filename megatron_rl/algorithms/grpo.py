@@ -171,10 +171,11 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
     print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
-    # scancel / kill send SIGTERM: turn it into an exception so the engine and Ray shut down cleanly (no leaked
-    # /dev/shm segments); the last complete checkpoint is untouched either way.
-    signal.signal(signal.SIGTERM, _terminate)
     c = build(cfg, out)
+    # scancel / kill send SIGTERM: turn it into an exception so the engine and Ray shut down cleanly (no leaked
+    # /dev/shm segments); the last complete checkpoint is untouched either way. Installed after ray.init, which
+    # replaces the handler with its own.
+    signal.signal(signal.SIGTERM, _terminate)
     tracker = None
     try:
         start = _resume(cfg, c, root)
