@@ -1,5 +1,8 @@
 """Split a batch of variable-length sequences into token-budget micro-batches, balanced over data-parallel ranks.
 
+The items are rows: single sequences, or whole GRPO groups packed into one row (`policy/packing.py` decides which and
+their lengths), so with shared-prefix packing DP balancing and packing move whole groups.
+
 1. `balance_over_dp`: sequences go to DP ranks longest-first, each to the rank with the fewest tokens so far
    (greedy LPT), so every rank does about the same work.
 2. `pack_microbatches`: within a rank, first-fit-decreasing into bins whose *padded* cost (rows x longest row) stays

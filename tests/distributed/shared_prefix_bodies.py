@@ -67,8 +67,8 @@ def shared_vs_unshared(rank: int, world_size: int, model_dir: str):
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
     batch = make_group_batch(vocab)
     ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
-    res = {"ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None,
-           "n": len(batch)}
+    res = {"ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "n": len(batch),
+           "ref_state": ref_state if rank == 0 else None}
     layouts = {"dp2": {}, "tp2": dict(tp=2), "pp2": dict(pp=2)}
     for name, kw in layouts.items():
         for shared in (True, False):
