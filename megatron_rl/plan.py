@@ -21,7 +21,7 @@ Memory per GPU (training ranks; bf16 weights, Megatron mixed precision):
   to vLLM's weights (2 B/param / gen-TP); the KV cache gets what is left and must hold one --seq-len sequence. Both
   moves cross PCIe every step (25 GB/s assumed).
   reserve: 2.5 GiB + 5% per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
-Step time = generate + logprobs + train + refit (+ moving vLLM's weights back from the host when colocated):
+Step time = generate + logprobs + train + refit + switch (colocated: those host <-> GPU moves):
   train 6 * params * tokens (8 with recompute) + causal attention FLOPs, at an assumed MFU, paced by the slowest
   pipeline stage (the last one also runs the output layer), slowed by the bubble (PP-1)/micro-batches and the
   distributed optimizer's gradient reduce-scatter and parameter all-gather;
@@ -89,6 +89,7 @@ class Plan:
     memory_gib: dict = field(default_factory=dict)  # training-phase breakdown of the fullest stage
     train_peak_gib: float = 0.0
     gen_peak_gib: float = 0.0
+    kv_gib: float = 0.0  # KV cache per GPU while generating
     kv_tokens: int = 0  # KV-cache capacity per vLLM instance
     concurrency: int = 0  # sequences decoded together per instance
     seqs_per_instance: int = 0
@@ -292,7 +293,7 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
     step = sum(times.values())
     total = train_gpus + (0 if colocated else gen_gpus)
     p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, mem, train_peak / GiB,
-             (resident + vllm_w + kv_tokens * kv_gpu) / GiB, kv_tokens, gen["concurrency"],
+             (resident + vllm_w + kv_tokens * kv_gpu) / GiB, kv_tokens * kv_gpu / GiB, kv_tokens, gen["concurrency"],
              gen["seqs"], times, step, wl.samples * wl.mean_len / step / total)
     p.bound = _bound(p, gen, side, usable)
     return p
@@ -395,12 +396,12 @@ def resolve_model(name: str):
 
 
 def _table(plans: list[Plan]) -> str:
-    head = ("#", "train TP/PP/DP", "recompute", "vLLM TP x n", "GiB/GPU train|gen", "KV seqs", "step s",
+    head = ("#", "train TP/PP/DP", "recompute", "vLLM TP x n", "train GiB", "KV GiB", "seqs at once", "step s",
             "tok/s/GPU", "binding constraint")
     rows = [head]
     for i, p in enumerate(plans, 1):
         rows.append((str(i), f"{p.tp}/{p.pp}/{p.dp}", "on" if p.recompute else "off",
-                     f"{p.gen_tp} x {p.gen_gpus // p.gen_tp}", f"{p.train_peak_gib:.1f} | {p.gen_peak_gib:.1f}",
+                     f"{p.gen_tp} x {p.gen_gpus // p.gen_tp}", f"{p.train_peak_gib:.1f}", f"{p.kv_gib:.1f}",
                      f"{p.concurrency}/{p.seqs_per_instance}", f"{p.step_s:.1f}", f"{p.tokens_per_s_per_gpu:,.0f}",
                      p.bound))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]

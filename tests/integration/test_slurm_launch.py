@@ -105,8 +105,8 @@ class Job:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Job":
-        self.proc = subprocess.Popen(self.cmd, cwd=self.dir, env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        with open(self.dir / "sbatch.out", "w") as out:  # sbatch's own messages (the job's go to self.log)
+            self.proc = subprocess.Popen(self.cmd, cwd=self.dir, env=self.env, stdout=out, stderr=subprocess.STDOUT)
         return self
 
     def wait(self, timeout: float) -> int:
@@ -127,7 +127,10 @@ class Job:
             time.sleep(0.5)
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else "(no job output yet)"
+        if self.log.exists():
+            return self.log.read_text(errors="replace")
+        sbatch = self.dir / "sbatch.out"
+        return "(no job output) sbatch said: " + (sbatch.read_text(errors="replace") if sbatch.exists() else "")
 
     def close(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -213,6 +216,7 @@ def test_scancel_tears_everything_down(tmp_path, model):
         job.close()
 
 
+@pytest.mark.slow  # ~1 min on 2 cores: torchrun export + a vLLM evaluation
 def test_eval_launcher_on_the_trained_checkpoint(two_node_run, tmp_path):
     """launch/torchrun_eval.sh: torchrun export of the run's newest checkpoint, then `megatron-rl eval` on it."""
     job, rc, _ = two_node_run

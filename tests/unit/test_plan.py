@@ -166,3 +166,15 @@ def test_step_time_is_within_a_third_of_nemo_rl_published_runs():
         err = (r["step_s"] - r["pub_step_s"]) / r["pub_step_s"]
         print(f"{r['model']}: estimated {r['step_s']:.1f} s vs published {r['pub_step_s']} s ({err:+.0%})")
         assert abs(err) < 1 / 3, r
+
+
+def test_cli_delegates_plan_including_help():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "megatron_rl", "plan", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "Memory per GPU" in r.stdout and "--colocated" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "megatron_rl", "plan", "--model", "qwen2.5-1.5b", "--gpus", "8",
+                        "--colocated"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "binding constraint" in r.stdout, r.stderr
