@@ -32,10 +32,26 @@ class NonFiniteAbort(RuntimeError):
     pass
 
 
-def _refit(c, version: int) -> float:
+def _to_trainer(cfg: Config, c) -> None:
+    """Colocated: after generating, the engine frees its device memory and the trainer's state comes back.
+    (No-ops on CPU, where both live in host memory.)"""
+    if cfg.cluster.colocated:
+        c.generator.sleep()
+        c.policy.onload()
+
+
+def _refit(c, version: int, colocated_handover: bool = False) -> float:
+    """Stream the policy's weights into the generator as `version`. With a colocated handover (after training):
+    the engine's weights wake first, the refit fills them, the trainer's state goes to host memory, and only then
+    the KV cache is allocated again, so the two never hold the device at full size together."""
     t0 = time.perf_counter()
+    if colocated_handover:
+        c.generator.wake_up(["weights"])
     handle = c.policy.send_weights(version, get_platform().refit_transport_colocated, BUCKET_BYTES)
     c.generator.receive_weights(handle.to_dict())
+    if colocated_handover:
+        c.policy.offload()
+        c.generator.wake_up(["kv_cache"])
     return time.perf_counter() - t0
 
 
@@ -59,9 +75,19 @@ def _save(cfg: Config, c, root: Path, step: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _remove_partial_checkpoints(root: Path) -> None:
+    """A run killed while saving leaves `step_N.tmp-XXXX` (never picked for resuming); remove it, so crashes do not
+    pile up dead checkpoint-sized directories. Only `.tmp-` dirs: an `.old-` dir may hold the only complete copy."""
+    for partial in sorted(root.glob("*.tmp-*")) if root.is_dir() else []:
+        if partial.is_dir():
+            print(f"[megatron-rl] removing partial checkpoint {partial} (a save was interrupted)", flush=True)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
 def _resume(cfg: Config, c, root: Path) -> int:
     from megatron_rl.models.checkpoint import latest_checkpoint
 
+    _remove_partial_checkpoints(root)
     latest = latest_checkpoint(root) if cfg.checkpoint.resume else None
     if latest is None:
         if cfg.init_from:  # a stage chain: start from the previous stage's weights, fresh optimizer and data
@@ -82,6 +108,7 @@ def train_step(cfg: Config, c, step: int, loss_fn) -> dict:
     t0 = time.perf_counter()
     groups, gstats = sample_groups(cfg, _SeededGenerator(c.generator, cfg.grpo.seed * 100_003 + step),
                                    c.train_stream, c.reward_fn, c.tokenizer, version=step - 1)
+    _to_trainer(cfg, c)
     roll = build_rollout(cfg, groups, gstats)
     batch = roll.batch
     time_generate = time.perf_counter() - t0
@@ -103,7 +130,7 @@ def train_step(cfg: Config, c, step: int, loss_fn) -> dict:
     train_lps = batch.old_logprobs if batch.old_logprobs is not None else first.logprobs
     skipped = any(r.skipped for r in results)
 
-    refit_s = _refit(c, step)
+    refit_s = _refit(c, step, colocated_handover=cfg.cluster.colocated)
     mask = torch.ones(sum(len(x) for x in batch.gen_logprobs))
     mm = mismatch_metrics(torch.cat(batch.gen_logprobs), torch.cat([t.float() for t in train_lps]), mask)
     rewards = roll.rewards.flatten()
@@ -119,6 +146,7 @@ def train_step(cfg: Config, c, step: int, loss_fn) -> dict:
         "tokens_per_s": n_tokens / elapsed, "time_generate_s": time_generate, "time_logprobs_s": time_logprobs,
         "time_train_s": time_train, "time_refit_s": refit_s, "time_step_s": elapsed, "skipped": skipped,
         "num_sequences": len(batch), "num_reward_timeouts": gstats.get("num_timeouts", 0),
+        "num_reward_errors": gstats.get("num_errors", 0),
         "num_groups_dropped": gstats.get("num_groups_dropped", 0), "truncated_frac":
             gstats["num_truncated"] / max(gstats["num_samples"], 1),
     }
@@ -171,7 +199,13 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
     print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
-    c = build(cfg, out)
+    from megatron_rl.data.datasets import DataError
+
+    try:
+        c = build(cfg, out)
+    except DataError as e:  # raised while reading the data, before Ray or any worker starts
+        print(f"data error: {e}", file=sys.stderr, flush=True)
+        return 2
     # scancel / kill send SIGTERM: turn it into an exception so the engine and Ray shut down cleanly (no leaked
     # /dev/shm segments); the last complete checkpoint is untouched either way. Installed after ray.init, which
     # replaces the handler with its own.
@@ -196,9 +230,10 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
             if rec["skipped"]:
                 print(f"[megatron-rl] step {step}: non-finite loss or gradient, update skipped "
                       f"({nonfinite} in a row)", file=sys.stderr, flush=True)
-                if nonfinite >= cfg.grpo.max_nonfinite_steps:
-                    raise NonFiniteAbort(f"{nonfinite} consecutive steps with non-finite loss/gradients "
-                                         f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); aborting")
+            if nonfinite and nonfinite >= cfg.grpo.max_nonfinite_steps:
+                tracker.log(rec)  # the aborting step's record is kept too
+                raise NonFiniteAbort(f"{nonfinite} consecutive steps with non-finite loss/gradients "
+                                     f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); aborting")
             if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items:
                 rec.update(_validate(cfg, c, step))
             tracker.log(rec)

@@ -394,17 +394,24 @@ class MegatronPolicyWorker(RankWorker):
                     st["step"] = st["step"].clone()
 
     def offload(self) -> None:
-        """Colocated GPU runs give the device to the generator: optimizer state and weights to host memory."""
-        if get_platform().is_gpu:
-            self.optimizer.offload_to_cpu()
-            self.gpt.to("cpu")
-            torch.cuda.empty_cache()
+        """Colocated GPU runs give the device to the generator: optimizer state and weights to host memory.
+        Idempotent; a no-op on CPU, where everything already lives in host memory."""
+        if not get_platform().is_gpu or getattr(self, "_offloaded", False):
+            return
+        self.optimizer.offload_to_cpu()
+        # DDP keeps params as views of its contiguous buffers: move the buffers' storage, not the module
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            buf.offload_to_cpu(move_params=True, move_grads=True)
+        torch.cuda.empty_cache()
+        self._offloaded = True
 
     def onload(self) -> None:
-        if get_platform().is_gpu:
-            self.gpt.to(self.device)
-            self.optimizer.restore_from_cpu()
-
+        if not get_platform().is_gpu or not getattr(self, "_offloaded", False):
+            return
+        for buf in self.model.buffers + self.model.expert_parallel_buffers:
+            buf.reload_from_cpu(move_params=True, move_grads=True)
+        self.optimizer.restore_from_cpu()
+        self._offloaded = False
 
 def _to(t: torch.Tensor | None, dev) -> torch.Tensor | None:
     return None if t is None else t.to(dev)
