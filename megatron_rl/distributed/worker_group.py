@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.distributed.cluster import Placement
+from megatron_rl.distributed.logs import redirect_output, tail
 
 
 class WorkerDiedError(RuntimeError):
@@ -30,14 +30,7 @@ class RankWorker:
 
     def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
                  env: dict | None = None):
-        if log_path:
-            # Redirect at the file-descriptor level so C++ output (gloo, vLLM, torch) lands in the log too.
-            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
+        redirect_output(log_path)
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(self._local_rank(rank)))
         self.rank, self.world_size = rank, world_size
@@ -115,14 +108,7 @@ class WorkerGroup:
         return len(self.actors)
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
-        if not self.log_dir:
-            return "(no log directory configured)"
-        path = self.log_dir / f"{self.actor_names[rank]}.log"
-        try:
-            text = path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return f"(no log at {path})"
-        return "\n".join(text[-lines:])
+        return tail(str(self.log_dir / f"{self.actor_names[rank]}.log") if self.log_dir else None, lines)
 
     def _get(self, refs: list, ranks: list[int], timeout: float | None = None) -> list[Any]:
         """ray.get over many actors that fails fast: the first dead actor raises, naming itself."""

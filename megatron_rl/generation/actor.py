@@ -7,22 +7,16 @@ actor sets its own thread count per phase, so the idle trainer and the generator
 from __future__ import annotations
 
 import os
-import sys
 
 from megatron_rl.config.schema import GenerationConfig
+from megatron_rl.distributed.logs import redirect_output, tail
 from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
 
 
 class GeneratorActor:
     def __init__(self, cfg: GenerationConfig, model_path: str, max_model_len: int | None, seed: int,
                  log_path: str | None = None, threads: int | None = None):
-        if log_path:
-            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
+        redirect_output(log_path)
         from megatron_rl.generation.vllm_generator import VLLMGenerator
 
         self.threads = threads
@@ -67,14 +61,10 @@ class RemoteGenerator:
         try:
             return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
         except RayActorError as e:
-            tail = ""
-            if self.log_path and os.path.exists(self.log_path):
-                with open(self.log_path, errors="replace") as f:
-                    tail = "".join(f.readlines()[-20:])
             from megatron_rl.distributed.worker_group import WorkerDiedError
 
             raise WorkerDiedError(f"{self.name} died: {str(e).splitlines()[0]}\n--- last lines of its log ---\n"
-                                  f"{tail}") from None
+                                  f"{tail(self.log_path)}") from None
 
     def generate(self, prompts, *, expected_version: int, **kw) -> GenerationResult:
         res = self._call("generate", prompts, **kw)
