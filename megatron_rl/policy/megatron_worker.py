@@ -73,9 +73,9 @@ class MegatronPolicyWorker(RankWorker):
         self.model_dir = resolve_model_dir(cfg.model)
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         self.dtype = plat.resolve_dtype(cfg.precision)
-        # init_weights=True although the HF weights overwrite them: megatron 0.16 only tags weights as
-        # tensor-parallel (`tensor_model_parallel`, used by grad-norm and clipping) inside its initialisers.
-        gpt = build_model(hf_config, params_dtype=self.dtype, seed=cfg.seed, init_weights=True,
+        # no random init: the HF weights overwrite every parameter right after (build_model still tags the
+        # tensor-parallel weights, which grad-norm and clipping rely on)
+        gpt = build_model(hf_config, params_dtype=self.dtype, seed=cfg.seed, init_weights=False,
                           recompute_granularity="full" if cfg.activation_recompute else None,
                           recompute_method="uniform" if cfg.activation_recompute else None,
                           recompute_num_layers=1 if cfg.activation_recompute else None)
