@@ -66,13 +66,45 @@ def _validate(cfg: Config, c, version: int) -> dict:
             "val_sample_accuracy": sampled["val_accuracy"]}
 
 
+class CheckpointSaveError(RuntimeError):
+    pass
+
+
 def _save(cfg: Config, c, root: Path, step: int) -> None:
+    from megatron_rl.distributed.worker_group import WorkerDiedError
+
     state = {"step": step, "stream": c.train_stream.state_dict(), "py_random": list(random.getstate()[1])}
-    c.policy.save(str(root / f"step_{step}"), extra=state)
+    path = root / f"step_{step}"
+    try:
+        c.policy.save(str(path), extra=state)
+    except WorkerDiedError:
+        raise
+    except Exception as e:  # e.g. a full disk: say which checkpoint failed and that the previous one still stands
+        from megatron_rl.models.checkpoint import latest_checkpoint
+
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        prev = latest_checkpoint(root)
+        raise CheckpointSaveError(
+            f"saving checkpoint {path} failed: {cause}{_space_hint(root, prev)}; nothing of it was kept, and "
+            + (f"the previous checkpoint {prev} is intact (re-running resumes from it)" if prev
+               else "there is no earlier checkpoint")) from e
     done = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name.split("_")[-1].isdigit()),
                   key=lambda p: int(p.name.split("_")[-1]))
     for old in done[:-cfg.checkpoint.keep_last] if cfg.checkpoint.keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _space_hint(root: Path, prev: Path | None) -> str:
+    """Writers do not always surface ENOSPC (torch's zip writer reports "unexpected pos"): name a full disk."""
+    try:
+        free = shutil.disk_usage(root).free
+        need = sum(f.stat().st_size for f in prev.rglob("*") if f.is_file()) if prev else 0
+    except OSError:
+        return ""
+    if need and free < need:
+        return f" (the filesystem of {root} has {free / 2**20:.0f} MiB free; a checkpoint needs about " \
+               f"{need / 2**20:.0f} MiB)"
+    return ""
 
 
 def _remove_partial_checkpoints(root: Path) -> None:
