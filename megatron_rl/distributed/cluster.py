@@ -1,17 +1,39 @@
 """Start or join Ray, and reserve devices with placement groups.
 
-Local runs start a private Ray bound to loopback with no dashboard; cluster runs (`cluster.ray_address`, set by
-`launch/slurm_grpo.sh`) join the head started with `ray start`. One bundle per device: a GPU each on GPU machines,
-a CPU slot each on CPU machines. In colocated mode the policy rank and the generator share a bundle (fractional
-resources); in disaggregated mode each gets its own bundles.
+Local runs start a private single-node Ray with no dashboard and token auth on (a random token per driver process);
+cluster runs (`cluster.ray_address`, set by `launch/slurm_grpo.sh`) join the head started with `ray start`. Ray's own
+gRPC servers (GCS, raylet, every worker) listen on all interfaces whatever node address is asked for, and Ray
+registers the machine's address even when given loopback: the token, not the address, keeps other hosts out.
+Single-node policy groups connect over 127.0.0.1 (gloo pairs bind loopback), but torch's TCPStore rendezvous server
+listens on all interfaces too (torch's behaviour, MASTER_ADDR notwithstanding). README: "What happens when things fail".
+
+One bundle per device: a GPU each on GPU machines, a CPU slot each on CPU machines. In colocated mode the policy rank
+and the generator share a bundle (fractional resources); in disaggregated mode each gets its own bundles.
 """
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_rl.config.schema import ClusterConfig
 from megatron_rl.platform import get_platform
+
+
+def _local_auth() -> None:
+    """Token auth for a private local cluster: its ports are reachable from the network (see the module docstring),
+    and without auth anything that reaches them can run code as this user. Ray 2.60 turns token auth on for a new
+    local cluster when RAY_AUTH_MODE is unset, but would then write a token to ~/.ray/auth_token, which concurrent
+    first runs race on. Instead, give it a random token made once per process, through the environment (inherited by
+    the Ray processes this driver starts; never printed, never written to disk). An explicit RAY_AUTH_MODE (e.g.
+    `disabled` on a trusted, firewalled machine) and a token of the user's own (env or ~/.ray/auth_token) win.
+    Only the environment variable is set: Ray itself then switches the mode on, re-reading its config."""
+    if os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    if (Path.home() / ".ray" / "auth_token").is_file():
+        return
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
@@ -19,10 +41,9 @@ def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: 
 
     if ray.is_initialized():
         return
-    # Ray 2.60 enables token auth by default; a private local cluster on loopback does not need it. Clusters that join
-    # an address keep whatever the operator configured (see README, "Cluster use").
+    # Clusters that join an address keep whatever the operator configured (see README, "Ray authentication tokens").
     if cfg.ray_address is None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        _local_auth()
         ray.init(
             num_cpus=num_cpus or os.cpu_count(),
             object_store_memory=cfg.object_store_memory_mb * 2**20,
