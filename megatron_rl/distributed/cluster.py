@@ -86,7 +86,8 @@ def reserve(num_bundles: int, *, timeout_s: float = 120.0, name: str = "megatron
     import ray
     from ray.util.placement_group import placement_group
 
-    key = "GPU" if get_platform().is_gpu else "CPU"
+    # Ask the cluster, not this process: a driver on a CPU-only login/head node still reserves GPUs on GPU workers.
+    key = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 or get_platform().is_gpu else "CPU"
     bundles = [{key: 1} for _ in range(num_bundles)]
     pg = placement_group(bundles, strategy="PACK", name=name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
