@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import os
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -56,7 +57,7 @@ class TimeoutPool:
         ctx = _mp_context()
         ready, go = ctx.SimpleQueue(), ctx.Event()
         pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx, initializer=worker.init_worker,
-                                   initargs=(self.memory_mb, self.warm, ready, go))
+                                   initargs=(self.memory_mb, self.warm, ready, go, os.getpid()))
         # workers are launched on demand (one per submit while none is idle), so submit one blocking start-up
         # task per worker, and only release them once every worker has run its initializer: start-up never
         # counts against a real task's deadline

@@ -10,7 +10,10 @@ import json
 import logging
 import os
 import resource
+import select
 import signal
+import threading
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.rewards.extract import extract_answer, is_well_formed
@@ -24,7 +27,26 @@ class SoftTimeout(BaseException):
 _GO: Any = None  # set by init_worker: released by the parent once every worker of the pool is up
 
 
-def init_worker(memory_mb: int, warm: Sequence[Callable], ready: Any, go: Any) -> None:
+def _exit_with(owner_pid: int) -> None:
+    """Exit this worker when the trainer process is gone, however it died (kill -9 included). Workers hold copies
+    of the pipes the forkserver and resource tracker wait on, so an orphaned worker would keep all three alive."""
+    try:
+        fd = os.pidfd_open(owner_pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel / non-Linux): poll
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while True:
+            try:
+                os.kill(owner_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(1.0)
+    os._exit(0)
+
+
+def init_worker(memory_mb: int, warm: Sequence[Callable], ready: Any, go: Any, owner_pid: int = 0) -> None:
     """Per-worker setup: an address-space limit (a runaway expansion raises MemoryError here instead of swapping
     the host), no SIGINT (Ctrl-C is the trainer's to handle; it then shuts the pool down). `warm` are the task
     functions this pool will run: receiving them imported their modules already. Reporting on `ready` last lets
@@ -40,6 +62,8 @@ def init_worker(memory_mb: int, warm: Sequence[Callable], ready: Any, go: Any) -
     # math-verify warns that its own (signal-based) timeouts are off: we time out around it instead
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     del warm
+    if owner_pid:
+        threading.Thread(target=_exit_with, args=(owner_pid,), daemon=True, name="owner-watchdog").start()
     _GO = go
     ready.put(os.getpid())
 

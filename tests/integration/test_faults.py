@@ -215,8 +215,6 @@ def test_kill_driver_while_checkpointing_partial_ignored(chain):
     chain.stage = 3
 
 
-@pytest.mark.xfail(strict=False, reason="the reward pool's workers (rewards/worker.py) do not notice a SIGKILLed "
-                   "driver and keep its forkserver and resource tracker alive; they need a parent-death watchdog")
 def test_sigkilled_driver_leaves_no_processes(chain):
     """15 s after the SIGKILL nothing of the run may be left but Ray's two agents (they notice their raylet is gone
     and exit on their own about a minute later)."""
