@@ -89,7 +89,7 @@ def build(cfg: Config, out_dir: Path) -> Components:
     threads = None if plat.is_gpu else (cfg.policy.threads or max(1, cores // world))
     share = 0.5 if c.colocated else 1.0
     group = WorkerGroup(MegatronPolicyWorker, placement, name="policy", world_size=world, share=share,
-                        log_dir=str(logs), threads=threads, master_addr="127.0.0.1" if c.num_nodes == 1 else None,
+                        log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
                         init_kwargs=dict(policy_cfg=cfg.policy, max_steps=cfg.grpo.max_steps))
     policy = PolicyGroup(group)
     gen_bundle = 0 if c.colocated else world

@@ -17,7 +17,9 @@ class ClusterConfig:
     devices_per_node: int = 2  # GPUs per node, or CPU slots per node on CPU machines
     colocated: bool = True  # policy and generator share the same devices (time-sliced); False: separate bundles
     object_store_memory_mb: int = 512
-    bind_host: str = "127.0.0.1"  # Ray dashboard/ports; multi-node launches set the node's address
+    # single-node runs: the torch rendezvous address of the policy ranks, and the node address handed to Ray (which
+    # maps loopback to the machine's address and listens on all interfaces; a per-run token protects it)
+    bind_host: str = "127.0.0.1"
     worker_death_timeout_s: float = 30.0
 
 
