@@ -137,3 +137,23 @@ def save_load_resume(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
     b = w2.hf_state_dict()
     return {"a": a, "b": b, "extra": extra, "m_a": m_a and m_a["metrics"], "m_b": m_b and m_b["metrics"],
             "steps": (w.step, w2.step)}
+
+
+def onpolicy_reuse_equals_explicit_pass(rank: int, world_size: int, model_dir: str):
+    """One step with old_logprobs=None (the training forward's own, detached) vs one with an explicit logprob pass."""
+    import json
+
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    out = {}
+    for name in ("reuse", "explicit"):
+        batch = make_batch(vocab, seed=4)
+        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, tp=2))
+        w.setup()
+        if name == "explicit":
+            lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
+            batch.old_logprobs = [lp[i] for i in range(len(batch))]
+        res = _gather_obj(w.train(batch, pg_loss, temperature=TEMP))
+        out[name] = {"metrics": [r for r in res if r][0]["metrics"], "after": w.hf_state_dict()}
+    return out

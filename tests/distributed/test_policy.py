@@ -61,3 +61,12 @@ def test_save_load_next_step_bit_identical(model_dir, tmp_path):
     assert set(r0["a"]) == set(r0["b"])
     for k in r0["a"]:
         assert torch.equal(r0["a"][k], r0["b"][k]), k
+
+
+def test_onpolicy_reuse_gives_the_same_update_as_an_explicit_logprob_pass(model_dir):
+    r = run_distributed(policy_bodies.onpolicy_reuse_equals_explicit_pass, 2, args=(model_dir,), timeout=900)[0]
+    a, b = r["reuse"], r["explicit"]
+    assert a["metrics"]["loss"] == pytest.approx(b["metrics"]["loss"], rel=1e-5, abs=1e-7)
+    assert a["metrics"]["grad_norm"] == pytest.approx(b["metrics"]["grad_norm"], rel=1e-5)
+    for k in a["after"]:
+        torch.testing.assert_close(a["after"][k], b["after"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")
