@@ -131,15 +131,17 @@ def main(argv=None) -> int:
             st = gen.update_weights(export_buckets(hf, args.bucket_mb * 2**20), version=v)
             rows.append(st)
             rss = _rss_mib()
-            print(f"refit v{v} (RSS {rss:.0f} MiB): total {st['refit_s']:.3f} s = shm write+crc {st['send_s']:.3f} + map+verify "
-                  f"{st['validate_s']:.3f} + engine reload {st['reload_s']:.3f} + tied lm_head repack "
-                  f"{st['lm_head_s']:.3f} + unlink {st['cleanup_s']:.3f} (rest: rpc/bookkeeping)")
-        med = {k: statistics.median(r[k] for r in rows) for k in ("refit_s", "send_s", "validate_s", "reload_s")}
+            print(f"refit v{v} (RSS {rss:.0f} MiB): total {st['refit_s']:.3f} s = shm write {st['send_s']:.3f} + "
+                  f"map+stamps {st['validate_s']:.3f} + engine load+re-pack {st['reload_s']:.3f} "
+                  f"(resident reloader: {st['resident_reload']}) + tied lm_head {st['lm_head_s']:.3f} "
+                  f"(rest: rpc/bookkeeping)")
+        med = {k: statistics.median(r[k] for r in rows[1:] or rows) for k in ("refit_s", "send_s", "validate_s",
+                                                                           "reload_s")}
         transport = med["send_s"] + med["validate_s"]
-        print(f"refit median {med['refit_s']:.3f} s: {med['refit_s'] / warm:.1f}x warm memcpy, "
-              f"{med['refit_s'] / cold:.1f}x fresh-buffer memcpy; transport alone (shm write + verify) "
+        print(f"refit median after the first {med['refit_s']:.3f} s: {med['refit_s'] / warm:.1f}x warm memcpy, "
+              f"{med['refit_s'] / cold:.1f}x fresh-buffer memcpy; transport alone (shm write + checks) "
               f"{transport:.3f} s = {transport / warm:.1f}x warm / {transport / cold:.1f}x fresh; "
-              f"engine reload {med['reload_s']:.3f} s")
+              f"engine load+re-pack {med['reload_s']:.3f} s")
 
         total_tokens = args.prompts * args.samples * args.tokens
         for threads in args.threads:

@@ -37,8 +37,10 @@ class Components:
         except Exception:
             pass
         from megatron_rl.distributed.cluster import shutdown_ray
+        from megatron_rl.weights.transport import remove_orphaned_files
 
         shutdown_ray()
+        remove_orphaned_files()  # refit arenas of workers that died without closing them
 
 
 def max_model_len(cfg: Config) -> int:

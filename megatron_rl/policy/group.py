@@ -69,4 +69,10 @@ class PolicyGroup:
         self.group.call("set_threads", n)
 
     def shutdown(self) -> None:
+        try:
+            # Ray kills actors without running their atexit handlers; a rank stuck in a collective with a dead peer
+            # does not answer, hence the timeout
+            self.group.call("close_refit", timeout=10)
+        except Exception:
+            pass  # a dead rank's files are swept by `remove_orphaned_files` at the driver's shutdown
         self.group.shutdown()

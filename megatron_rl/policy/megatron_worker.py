@@ -306,16 +306,29 @@ class MegatronPolicyWorker(RankWorker):
         """Export through a refit transport; the TP-rank-0, DP-rank-0 rank of each stage returns its handle."""
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.weights.transport import send
+        from megatron_rl.weights.transport import make_sender
 
         buckets = self.export_weights(bucket_bytes)  # collective over TP: every TP rank must iterate it
         if ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0:
-            handle, keepalive = send(buckets, version, transport)
-            self._refit_keepalive = keepalive  # CUDA IPC buffers must outlive the receiver's load
-            return handle.to_dict()
+            sender = getattr(self, "_refit_sender", None)
+            if sender is None or getattr(self, "_refit_transport", None) != transport:
+                if sender is not None:
+                    sender.close()
+                # kept for the worker's life: the shared-memory arena is rewritten in place by every refit
+                sender, self._refit_transport = make_sender(transport), transport
+                self._refit_sender = sender
+            # the previous update has been loaded by now (the driver waits for it): CUDA IPC buffers can go
+            sender.release()
+            return sender.send(buckets, version).to_dict()
         for _ in buckets:
             pass
         return None
+
+    def close_refit(self) -> None:
+        """Free the refit transport's resources (the shared-memory arena's files) before the worker is killed."""
+        sender, self._refit_sender = getattr(self, "_refit_sender", None), None
+        if sender is not None:
+            sender.close()
 
     def set_threads(self, n: int) -> None:
         from megatron_rl.platform import set_cpu_threads

@@ -12,7 +12,8 @@ import torch
 
 from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation import StaleWeightsError, VLLMGenerator
-from megatron_rl.weights.transport import SHM_DIR, SHM_PREFIX, RefitError, send_shared_memory
+from megatron_rl.weights.transport import (SHM_DIR, SHM_PREFIX, RefitError, RefitHandle, SharedMemorySender,
+                                          map_shared_memory, verify_shared_memory_unchanged)
 
 PROMPTS = [[1, 504, 3224, 314, 253], [28, 10966, 2099, 30, 441, 284, 16], [9109, 42, 7]]
 T = 0.7
@@ -45,6 +46,11 @@ def buckets_of(path, per_bucket=5, drop=()):
     state = hf_model(path).state_dict()
     items = [(k, v.clone()) for k, v in state.items() if k not in drop]
     return [items[i:i + per_bucket] for i in range(0, len(items), per_bucket)]
+
+
+def _use_vllm_reload(wrapper):
+    # runs inside the engine's worker process (collective_rpc with a callable), which gets vLLM's worker wrapper
+    getattr(wrapper, "worker", wrapper)._mrl_resident = None
 
 
 def greedy(gen, max_tokens=16):
@@ -147,20 +153,32 @@ class TestUntied:
         with pytest.raises(RefitError, match="shape"):
             gen.update_weights(wrong, version=1)
 
-        truncated = send_shared_memory(good, version=1)
+        sender = SharedMemorySender()
+        truncated = sender.send(good, version=1)
         with open(truncated.buckets[1].location, "r+b") as f:
             f.truncate(truncated.buckets[1].nbytes // 2)
         with pytest.raises(RefitError, match="truncated"):
             gen.receive_weights(truncated.to_dict())  # the dict form is what crosses a process boundary
 
-        torn = send_shared_memory(good, version=1)
-        with open(torn.buckets[2].location, "r+b") as f:
-            f.seek(3)
-            byte = f.read(1)
-            f.seek(3)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        with pytest.raises(RefitError, match="checksum"):
-            gen.receive_weights(torn)
+        # a handle whose buckets were rewritten since (a replayed/stale handle), and one whose next update died
+        # part-way through its third bucket: both refused, with the version that overwrote them
+        stale = sender.send(good, version=1)  # the truncated file is replaced, not written through (SIGBUS)
+        assert stale.buckets[1].location != truncated.buckets[1].location
+        sender.send(good, version=2)
+        with pytest.raises(RefitError, match="bucket 0 .* rewritten by version 2"):
+            gen.receive_weights(stale)
+
+        current = sender.send(good, version=3)
+        dies = [list(b) for b in good]
+        dies[2][1] = (dies[2][1][0], torch.empty_like(dies[2][1][1], device="meta"))  # its bytes cannot be read
+        with pytest.raises(NotImplementedError):
+            sender.send(dies, version=4)
+        with pytest.raises(RefitError, match="bucket 0 .* rewritten by version 4"):
+            gen.receive_weights(current)
+        # the bucket it died in is torn: begun as version 4, never completed
+        with pytest.raises(RefitError, match="is torn: its writer began version 4 and did not finish"):
+            map_shared_memory(RefitHandle("shared_memory", 4, [current.buckets[2]]))
+        sender.close()
 
         with pytest.raises(RefitError, match="not newer"):
             gen.update_weights(good, version=0)
@@ -171,13 +189,16 @@ class TestUntied:
             gen.assert_version(1)
         assert greedy(gen) == base
         assert_greedy_matches(base, [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
-        assert shm_files() == before_files  # refused updates leave no files behind either
+        # a closed sender leaves no files behind; the generator keeps its own arena for the next refit
+        assert sorted(set(shm_files()) - {os.path.basename(p) for p in gen._sender.paths}) == before_files
 
     def test_refit_to_other_weights_matches_transformers(self, gen, models):
-        before_files = shm_files()
         old = greedy(gen)  # also fills the prefix cache with blocks computed by the old weights
-        stats = gen.update_weights(buckets_of(models[1]), version=1)
-        assert gen.weight_version == 1 and stats["bytes"] > 0
+        new_weights = buckets_of(models[1])
+        stats = gen.update_weights(new_weights, version=1)
+        assert gen.weight_version == 1 and stats["bytes"] > 0 and stats["resident_reload"]
+        arena = shm_files()
+        assert len(arena) == len(new_weights)  # one file per bucket, kept for the next refit
         gen.assert_version(1)
         ref_b = hf_model(models[1])
         new = greedy(gen)
@@ -189,9 +210,12 @@ class TestUntied:
             expect = hf_logprobs(ref_b, PROMPTS[res.prompt_indices[k]], ids, T)
             torch.testing.assert_close(torch.tensor(res.logprobs[k]), expect, atol=1e-4, rtol=0)
         # and back again: repeated refits keep working
-        gen.update_weights(buckets_of(models[0], per_bucket=100), version=2)
+        gen.update_weights(buckets_of(models[0]), version=2)
         assert greedy(gen) == old and gen.weight_version == 2
-        assert shm_files() == before_files
+        assert shm_files() == arena  # same layout: rewritten in place
+        gen.update_weights(buckets_of(models[1], per_bucket=100), version=3)  # new layout: one bucket
+        assert len(shm_files()) == 1 and not set(shm_files()) & set(arena)
+        assert_greedy_matches(greedy(gen), [hf_greedy(ref_b, p, 16) for p in PROMPTS])
 
 
 class TestTied:
@@ -200,14 +224,57 @@ class TestTied:
         return tiny_model_factory("llama_tied_c", seed=2, tied=True), tiny_model_factory("llama_tied_d", seed=3,
                                                                                          tied=True)
 
-    def test_tied_refit_refreshes_lm_head(self, models):
+    @pytest.mark.parametrize("reloader", ["resident", "vllm_reload_weights"])
+    def test_tied_refit_refreshes_lm_head(self, models, reloader):
         with make_generator(models[0]) as gen:
+            if reloader == "vllm_reload_weights":  # the path for models the resident reloader does not handle
+                gen._llm.collective_rpc(_use_vllm_reload)
             assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
             buckets = buckets_of(models[1])  # HF's state_dict of a tied model also lists lm_head.weight
             assert any(n == "lm_head.weight" for b in buckets for n, _ in b)
-            gen.update_weights(buckets, version=1)
+            stats = gen.update_weights(buckets, version=1)
+            assert stats["resident_reload"] == (reloader == "resident")
             assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[1]), p, 16) for p in PROMPTS])
             # the exact set without the alias is accepted too
             gen.update_weights(buckets_of(models[0], drop=("lm_head.weight",)), version=2)
             assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
         assert shm_files() == []
+
+
+def test_shared_memory_rewrite_during_load_is_caught():
+    """The receiver's after-load check: a bucket rewritten while the engine read it makes the update fail."""
+    a = [[("w", torch.arange(10.0))], [("b", torch.ones(3))]]
+    sender = SharedMemorySender()
+    try:
+        h = sender.send(a, version=5)
+        views = map_shared_memory(h)
+        assert torch.equal(views[0][0][1], a[0][0][1])  # zero-copy views of what was sent
+        verify_shared_memory_unchanged(h)
+        sender.send([[("w", torch.zeros(10))], [("b", torch.ones(3))]], version=6)
+        assert torch.equal(views[0][0][1], torch.zeros(10))  # the same pages: hence the check
+        with pytest.raises(RefitError, match="bucket 0 .* rewritten by version 6 \\(after loading\\)"):
+            verify_shared_memory_unchanged(h)
+    finally:
+        sender.close()
+    assert shm_files() == []
+
+
+def test_orphaned_arena_files_are_swept(tmp_path):
+    """A writer killed with SIGKILL leaves its arena behind; the next sender removes files of dead writers only."""
+    import subprocess
+
+    from megatron_rl.weights.transport import remove_orphaned_files
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"{SHM_PREFIX}{dead.pid}-abcd1234-0-g1.bin"
+    live = tmp_path / f"{SHM_PREFIX}{os.getppid()}-abcd1234-0-g1.bin"
+    other = tmp_path / "unrelated.bin"
+    for f in (orphan, live, other):
+        f.write_bytes(b"x")
+    sender = SharedMemorySender(shm_dir=str(tmp_path))  # sweeps on creation
+    try:
+        assert not orphan.exists() and live.exists() and other.exists()
+        assert remove_orphaned_files(str(tmp_path)) == []
+    finally:
+        sender.close()
