@@ -31,6 +31,20 @@ class Platform:
     def is_gpu(self) -> bool:
         return self.device_type == "cuda"
 
+    def worker_env(self) -> dict[str, str]:
+        """Environment for the worker processes this platform starts (Ray actors), read by them at start-up.
+
+        CPU: glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB) with a fresh
+        mmap and returns it to the kernel on free, so each step's activations, logits and re-packed GEMM weights are
+        page-faulted in again. A 1 GiB threshold keeps them in the heap, and a 1 GiB trim threshold keeps freed
+        memory for the next step. Measured on SmolLM2-135M: train 143 -> 162 tok/s (bench/policy_bench.py), vLLM
+        decode 261 -> 271 tok/s, GEMM re-pack 0.16 -> 0.11 s. A value already in the environment wins.
+        """
+        if self.is_gpu:
+            return {}
+        tuned = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+        return {k: os.environ.get(k, v) for k, v in tuned.items()}
+
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cuda", local_rank) if self.is_gpu else torch.device("cpu")
 

@@ -41,6 +41,9 @@ def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: 
 
     if ray.is_initialized():
         return
+    from megatron_rl.platform import get_platform
+
+    runtime_env = {"env_vars": get_platform().worker_env()}
     # Clusters that join an address keep whatever the operator configured (see README, "Ray authentication tokens").
     if cfg.ray_address is None:
         _local_auth()
@@ -51,9 +54,10 @@ def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: 
             _node_ip_address=cfg.bind_host,
             log_to_driver=log_to_driver,
             configure_logging=False,
+            runtime_env=runtime_env,
         )
     else:
-        ray.init(address=cfg.ray_address, log_to_driver=log_to_driver)
+        ray.init(address=cfg.ray_address, log_to_driver=log_to_driver, runtime_env=runtime_env)
 
 
 def shutdown_ray() -> None:
