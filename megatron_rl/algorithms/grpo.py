@@ -55,15 +55,19 @@ def _refit(c, version: int, colocated_handover: bool = False) -> float:
     return time.perf_counter() - t0
 
 
-def _validate(cfg: Config, c, version: int) -> dict:
+def _validate(cfg: Config, c, version: int, t_start: float) -> dict:
     g = cfg.generation
     greedy = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=1, temperature=0.0, top_p=1.0,
                       max_tokens=g.max_new_tokens, version=version)
-    sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
-                       temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, version=version,
-                       seed=cfg.grpo.seed)
-    return {"val_accuracy": greedy["val_accuracy"], "val_pass_at_k": sampled["val_pass_at_k"],
-            "val_sample_accuracy": sampled["val_accuracy"]}
+    out = {"val_accuracy": greedy["val_accuracy"]}
+    if cfg.grpo.val_pass_k > 0:
+        sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
+                           temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, version=version,
+                           seed=cfg.grpo.seed)
+        out.update(val_pass_at_k=sampled["val_pass_at_k"], val_sample_accuracy=sampled["val_accuracy"])
+    # wall time from the start of this process's run (set-up included): "accuracy within N minutes"
+    out["time_since_start_s"] = time.monotonic() - t_start
+    return out
 
 
 class CheckpointSaveError(RuntimeError):
@@ -224,6 +228,7 @@ def _split(batch, parts: int):
 def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:
     from megatron_rl.build import build
 
+    t_start = time.monotonic()
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     dump_yaml(cfg, out / "config.yaml")
@@ -250,10 +255,10 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
         tracker = Tracker(out, resume_step=start, total_steps=cfg.grpo.max_steps, tensorboard=cfg.logging.tensorboard,
                           plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every)
         if start == 0 and c.val_items:
-            base = _validate(cfg, c, 0)
+            base = _validate(cfg, c, 0, t_start)
             tracker.log_validation(0, base)
-            print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}, "
-                  f"pass@{cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}", flush=True)
+            passk = f", pass@{cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}" if "val_pass_at_k" in base else ""
+            print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
         loss_fn = GRPOLossFn(cfg.grpo.loss)
         nonfinite = 0
         for step in range(start + 1, cfg.grpo.max_steps + 1):
@@ -267,7 +272,7 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
                 raise NonFiniteAbort(f"{nonfinite} consecutive steps with non-finite loss/gradients "
                                      f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); aborting")
             if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items:
-                rec.update(_validate(cfg, c, step))
+                rec.update(_validate(cfg, c, step, t_start))
             tracker.log(rec)
             if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == cfg.grpo.max_steps):
                 _save(cfg, c, root, step)
@@ -293,8 +298,11 @@ def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:
     vals = [r for r in h if r.get("val_accuracy") is not None]
     print(f"[megatron-rl] done: reward_mean first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     if vals:
+        best = max(vals, key=lambda r: r["val_accuracy"])
         print(f"[megatron-rl] validation greedy accuracy {vals[0]['val_accuracy']:.3f} (step {vals[0]['step']}) -> "
-              f"{vals[-1]['val_accuracy']:.3f} (step {vals[-1]['step']})")
+              f"{vals[-1]['val_accuracy']:.3f} (step {vals[-1]['step']}); best {best['val_accuracy']:.3f} at step "
+              f"{best['step']}, {best.get('time_since_start_s', 0) / 60:.1f} min after start "
+              f"(up to {cfg.grpo.val_num_prompts} held-out prompts)")
     plot = tracker.plot() if cfg.logging.plots else None
     print(f"[megatron-rl] metrics: {(out / 'metrics.jsonl').resolve()}")
     if plot:

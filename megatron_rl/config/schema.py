@@ -73,7 +73,8 @@ class GenerationConfig:
     gpu_memory_utilization: float = 0.5  # GPU colocated: share with the trainer
     enforce_eager: bool = True
     max_model_len: Optional[int] = None  # default: max prompt tokens + max_new_tokens
-    threads: Optional[int] = None  # CPU: threads for the generation phase
+    threads: Optional[int] = None  # CPU: decode threads (default: all cores in the train loop, where the trainer is
+    # idle meanwhile: 4.5 s vs 7.3 s per demo step measured with 2 vs 1; 1 for an engine used on its own)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class GRPOConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     val_every: int = 0  # 0: no validation
     val_num_prompts: int = 32
-    val_pass_k: int = 4
+    val_pass_k: int = 4  # also sample k per validation prompt (pass@k); 0: greedy accuracy only
     seed: int = 42
 
 

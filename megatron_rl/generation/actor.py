@@ -6,6 +6,7 @@ actor sets its own thread count per phase, so the idle trainer and the generator
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from megatron_rl.config.schema import GenerationConfig
@@ -20,8 +21,12 @@ class GeneratorActor:
         from megatron_rl.generation.vllm_generator import VLLMGenerator
 
         self.threads = threads
+        if threads and not cfg.threads:
+            # the engine decodes on `cfg.threads` (default 1); the driver decided this actor owns `threads` cores
+            # while it generates (CPU phases alternate: the trainer is idle meanwhile)
+            cfg = dataclasses.replace(cfg, threads=threads)
         self.engine = VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed)
-        if threads:  # the process's count: refits run on it (generation sets its own while it runs)
+        if threads:  # the process's count: refits run on it too
             from megatron_rl.platform import set_cpu_threads
 
             set_cpu_threads(threads)
