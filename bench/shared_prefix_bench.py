@@ -3,7 +3,8 @@
 A GRPO-shaped batch (G groups x N completions, ~P-token prompts, ~R-token completions) goes through the Megatron
 policy worker's train step (forward + backward + optimizer) and its logprob forward, alternating the two layouts on
 the same model; the ratio of the best times (and of the medians) is printed, with the tokens each layout feeds and
-the largest logprob difference between the layouts (same weights, before any step).
+the largest logprob difference between the layouts (same weights, before any step). A third mode keeps the shared
+layout but runs the lm_head on every column instead of only the response window (`model_hooks.install_logit_window`).
 
     .venv/bin/python bench/shared_prefix_bench.py [--model DIR] [--groups 8 --completions 8 --prompt 100
                                                    --completion 12] [--reps 2] [--threads 2]
@@ -80,12 +81,15 @@ def body(rank: int, world_size: int, args: dict):
     w.shared_prefix, w.cfg.max_tokens_per_microbatch = False, 512
     out["reorder_logprob_diff"] = diff(w.logprobs(batch), lps["unshared"])
     w.cfg.max_tokens_per_microbatch = args["budget"]
-    for m, s in modes.items():  # warm-up step per layout (first-touch allocations, optimizer state)
-        w.shared_prefix = s
+    # a third mode: shared layout, but the lm_head on every column instead of the response window only
+    runs = {"shared": (True, True), "unshared": (False, True), "shared_full_logits": (True, False)}
+    out["train_s"]["shared_full_logits"], out["logprobs_s"]["shared_full_logits"] = [], []
+    for m, (s, narrow) in runs.items():  # warm-up step per mode (first-touch allocations, optimizer state)
+        w.shared_prefix, w.narrow_logits = s, narrow
         w.train(batch, loss_fn)
     for _ in range(args["reps"]):
-        for m, s in modes.items():
-            w.shared_prefix = s
+        for m, (s, narrow) in runs.items():
+            w.shared_prefix, w.narrow_logits = s, narrow
             t0 = time.perf_counter()
             w.logprobs(batch)
             out["logprobs_s"][m].append(time.perf_counter() - t0)
@@ -124,6 +128,9 @@ def main() -> None:
         label = "train step (fwd+bwd+optimizer)" if what == "train_s" else "logprobs forward"
         print(f"{label}: best shared {sh:.2f} s, unshared {un:.2f} s, speed-up x{un / sh:.2f} "
               f"(medians x{mun / msh:.2f})   [runs: {runs}]")
+        full = min(r[what]["shared_full_logits"])
+        print(f"  lm_head on the response window only vs on every column (both shared): {sh:.2f} s vs {full:.2f} s, "
+              f"x{full / sh:.2f} (medians x{statistics.median(r[what]['shared_full_logits']) / msh:.2f})")
 
 
 if __name__ == "__main__":

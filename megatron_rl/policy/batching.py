@@ -11,6 +11,7 @@ predictions. Response tokens are flattened row by row, which is the order of `in
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -104,3 +105,14 @@ def gather_field(values: list[torch.Tensor] | None, mb: DenseMicroBatch) -> torc
 def flat(values: torch.Tensor, mb: DenseMicroBatch) -> torch.Tensor:
     """[b, s] -> response tokens of every row, concatenated row by row (differentiable)."""
     return values[mb.resp_mask]
+
+
+def response_window(mb: DenseMicroBatch) -> tuple[int, DenseMicroBatch]:
+    """(start, mb seen from column `start` on): `start` is the first column that predicts a response token in any
+    row, the restricted mb has `targets`, `resp_mask` and `spans` for columns start.. (the model's inputs stay whole).
+    `flat` and `split_rows` give the same values in the same order on either."""
+    start = min(c for _, c in mb.spans)
+    if start == 0:
+        return 0, mb
+    return start, dataclasses.replace(mb, targets=mb.targets[:, start:], resp_mask=mb.resp_mask[:, start:],
+                                      spans=[(r, c - start) for r, c in mb.spans])

@@ -84,6 +84,10 @@ class MegatronPolicyWorker(RankWorker):
         self.spec = gpt.megatron_rl_spec
         tcfg = gpt.config
         self.shared_prefix = self._enable_shared_prefix(gpt)
+        from megatron_rl.policy.model_hooks import install_logit_window
+
+        self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
+        self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head
         tcfg.calculate_per_token_loss = True
         tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
         self.gpt = gpt
@@ -149,8 +153,14 @@ class MegatronPolicyWorker(RankWorker):
         return [batching.dense_rows(batch, [units[k] for k in mb.indices]) for mb in mbs]
 
     def _forward(self, model, mb: batching.DenseMicroBatch):
+        """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns
+        from the first response prediction on, `model_hooks.install_logit_window`) and the returned mb is narrowed
+        to match; elsewhere the output is the stage's hidden states and mb is unchanged."""
+        view = mb
+        if self._logit_window is not None:
+            self._logit_window.start, view = batching.response_window(mb) if self.narrow_logits else (0, mb)
         mask = mb.attention_mask.to(self.device) if mb.attention_mask is not None else None
-        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask)
+        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask), view
 
     def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
         from kernels import token_logprobs_and_entropy
@@ -177,8 +187,7 @@ class MegatronPolicyWorker(RankWorker):
         out: dict[int, Any] = {}
 
         def step(data_iter, model):
-            mb = next(data_iter)
-            logits = self._forward(model, mb)
+            logits, mb = self._forward(model, next(data_iter))
 
             def loss_func(logits):
                 lp, ent = self._token_stats(logits, mb.targets, temperature)
@@ -220,8 +229,8 @@ class MegatronPolicyWorker(RankWorker):
         adv = torch.tensor(batch.advantages, dtype=torch.float32)
 
         def step(data_iter, model):
-            mb = next(data_iter)
-            logits = self._forward(model, mb)
+            raw = next(data_iter)
+            logits, mb = self._forward(model, raw)
 
             def loss_func(logits):
                 lp, ent = self._token_stats(logits, mb.targets, temperature)
@@ -240,7 +249,7 @@ class MegatronPolicyWorker(RankWorker):
                     gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
                     num_global_tokens=float(n_tokens), num_global_seqs=float(len(batch)))
                 loss, metrics = loss_fn(inputs)
-                report = first_dp and mb is mbs[0]
+                report = first_dp and raw is mbs[0]
                 count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=dev)
                 reduced = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in metrics.items()}
                 reduced.setdefault("loss", loss.detach().double().cpu())

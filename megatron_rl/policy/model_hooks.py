@@ -103,3 +103,39 @@ def install_explicit_mask_attention(gpt) -> int:
         n += 1
     gpt._megatron_rl_explicit_mask = True
     return n
+
+
+class LogitWindow:
+    """Where the output layer starts along the sequence for the current forward (0: everywhere)."""
+
+    def __init__(self):
+        self.start = 0
+
+
+def install_logit_window(gpt) -> LogitWindow | None:
+    """Run the output layer (the lm_head) only on the columns from `window.start` on.
+
+    Only positions that predict a response token need logits, and in a micro-batch those form a tail: every column
+    before the first response prediction of any row is prompt. Skipping the lm_head and the vocabulary-wide
+    log-softmax there saves most of a prompt's share of both (with shared-prefix packing about half of a demo row is
+    prompt; the lm_head is ~20 % of SmolLM2's FLOPs per token). A forward pre-hook narrows the output layer's input
+    [s, b, h] to [s - start, b, h]; logits come back as [b, s - start, V], and the caller narrows its targets the same
+    way (`batching.response_window`). The decoder and its hidden states are untouched, so gradients are exact.
+
+    Not installed (None) where the narrowing would be wrong or absent: stages without an output layer, sequence
+    parallelism (the output layer's input is then a sequence shard), context parallelism, multi-token prediction.
+    """
+    layer = getattr(gpt, "output_layer", None)
+    cfg = gpt.config
+    if (layer is None or not getattr(gpt, "post_process", True) or cfg.sequence_parallel
+            or (cfg.context_parallel_size or 1) > 1 or getattr(cfg, "mtp_num_layers", None)):
+        return None
+    window = LogitWindow()
+
+    def narrow(_module, args, kwargs):
+        if window.start <= 0:
+            return None
+        return (args[0][window.start:],) + tuple(args[1:]), kwargs
+
+    layer.register_forward_pre_hook(narrow, with_kwargs=True)
+    return window
