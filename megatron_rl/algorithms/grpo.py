@@ -290,11 +290,11 @@ def _terminate(signum, _frame):
 
 def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:
     h = tracker.history
-    if not h:
+    steps = [r["reward_mean"] for r in h if "reward_mean" in r]  # validation-only records carry no reward
+    if not steps:
         return
-    k = min(5, len(h))
-    first = sum(r["reward_mean"] for r in h[:k] if "reward_mean" in r) / k
-    last = sum(r["reward_mean"] for r in h[-k:] if "reward_mean" in r) / k
+    k = min(5, len(steps))
+    first, last = sum(steps[:k]) / k, sum(steps[-k:]) / k
     vals = [r for r in h if r.get("val_accuracy") is not None]
     print(f"[megatron-rl] done: reward_mean first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
     if vals:
