@@ -85,7 +85,7 @@ def hf_side(rank, world, model_dir, seqs, length, prompt, steps, threads):
 
 def main() -> None:
     from megatron_rl.paths import default_model_dir
-    from megatron_rl.testing.distributed import run_distributed
+    from megatron_rl.distributed.launch import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(default_model_dir()))

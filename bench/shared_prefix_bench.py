@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.testing.distributed import run_distributed  # noqa: E402
+from megatron_rl.distributed.launch import run_distributed  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".cache/models/SmolLM2-135M-Instruct"
 

@@ -73,6 +73,7 @@ def _reduce_stats(m, s, w, zt, group):
     if _tp_size(group) == 1:
         return m, s, w, zt
     M = m.clone()
+    # raw collectives on purpose: these stats come from this rank's logit shard, already on the TP group's device
     dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
     scale = torch.exp(m - M)  # m may be the -1e30 sentinel for an all -inf shard: scale 0, and s = w = 0 there
     parts = [s * scale, zt]
@@ -210,6 +211,7 @@ class _LinearLogprobFn(torch.autograd.Function):
                                               vocab_start=vocab_start, temperature=temperature, chunk=chunk)
         if reduce_hidden_grad and _tp_size(group) > 1:
             # hidden is replicated across the TP group; each rank only saw its vocab shard's share of dL/dhidden
+            # (grad_h is on hidden's device, where the TP group's backend needs it)
             dist.all_reduce(grad_h, group=group)
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None, None, None, None
 

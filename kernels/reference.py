@@ -16,7 +16,7 @@ class _GatherVocab(torch.autograd.Function):
     def forward(ctx, x, group):
         world = dist.get_world_size(group)
         parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x.contiguous(), group=group)  # logit shards: already on the TP group's device
         ctx.rank, ctx.v = dist.get_rank(group), x.shape[-1]
         return torch.cat(parts, dim=-1)
 

@@ -28,7 +28,9 @@ Step time = generate + logprobs + train + refit + switch (colocated: those host 
   logprobs 2 * params * tokens per pass (previous policy; +1 with a KL reference);
   decode is HBM-bandwidth bound: every step reads the instance's weights and its live KV cache, with concurrency
   limited by the KV cache and vLLM's max_num_seqs; the step also lasts as long as its longest response (some GRPO
-  samples always run to the limit), so the tail runs at small batch.
+  samples always run to the limit), so the tail runs at small batch. Decode runs as CUDA graphs unless
+  `--enforce-eager` (generation.enforce_eager; the default is the config's): eager, the CPU launches every layer's
+  kernels one by one each step, and a step cannot be shorter than that.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.plan_presets import GPU, GPUS, MODELS, PLAN_ONLY
 
 GiB = 2**30
@@ -46,6 +49,9 @@ MFU = 0.40  # achieved/peak bf16 for Megatron dense training and forward passes 
 PREFILL_MFU = 0.50
 DECODE_BW_EFF = 0.70  # fraction of HBM bandwidth a decode step reaches
 DECODE_STEP_OVERHEAD_S = 3e-3  # scheduler + kernel launches per decode step (vLLM V1, CUDA graphs)
+# eager decode: the CPU issues each layer's ~12 kernels (norms, GEMMs, rotary, attention, activation) through Python,
+# ~15 us each; it runs ahead of the GPU, so it only costs time when the GPU work per step is shorter
+EAGER_LAUNCH_S_PER_LAYER = 2e-4
 MAX_NUM_SEQS = 1024  # vLLM's default concurrency cap on >= 70 GiB GPUs other than A100 (256 there)
 PCIE_GB_S = 25.0
 TP_EFF = {1: 1.0, 2: 0.97, 4: 0.93, 8: 0.88}  # tensor-parallel communication inside NVLink
@@ -66,6 +72,7 @@ class Workload:
     optimizer_steps: int = 1  # optimizer steps per rollout batch
     logprob_passes: int = 1  # previous-policy logprobs; 2 with a KL reference model
     distributed_optimizer: bool = True
+    enforce_eager: bool = GenerationConfig.enforce_eager  # vLLM decode without CUDA graphs; the config's default
 
     @property
     def mean_len(self) -> int:
@@ -97,6 +104,7 @@ class Plan:
     step_s: float = 0.0
     tokens_per_s_per_gpu: float = 0.0
     bound: str = ""
+    eager_decode: bool = False  # the decode estimate is for vLLM without CUDA graphs (generation.enforce_eager)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,17 +235,19 @@ def generation_time(spec, gpu: GPU, gen_tp: int, instances: int, kv_tokens: int,
     bw = gpu.hbm_tb_s * 1e12 * DECODE_BW_EFF
     fwd = fwd_flops_per_token(spec, wl.mean_len)
     overhead = DECODE_STEP_OVERHEAD_S + (2 * spec.num_layers * 8e-6 if gen_tp > 1 else 0.0)  # TP all-reduce latency
+    launch = spec.num_layers * EAGER_LAUNCH_S_PER_LAYER if wl.enforce_eager else 0.0  # a floor on the GPU work
     resp_mean = max(1, wl.mean_len - wl.prompt_len)
     resp_max = max(resp_mean, wl.seq_len - wl.prompt_len)
     live_ctx = wl.prompt_len + resp_mean / 2
     full_steps = math.ceil(seqs * resp_mean / conc)
     t_full = max((weights + conc * live_ctx * kv_gpu) / bw,
-                 conc * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU)) + overhead
+                 conc * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU), launch) + overhead
     tail_steps = max(0, resp_max - full_steps)
-    t_tail = (weights + live_ctx * kv_gpu) / bw + overhead
+    t_tail = max((weights + live_ctx * kv_gpu) / bw, launch) + overhead
     prefill = seqs * wl.prompt_len * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU)
     return {"generate": prefill + full_steps * t_full + tail_steps * t_tail, "concurrency": conc, "seqs": seqs,
-            "tail_share": tail_steps * t_tail / max(prefill + full_steps * t_full + tail_steps * t_tail, 1e-9)}
+            "tail_share": tail_steps * t_tail / max(prefill + full_steps * t_full + tail_steps * t_tail, 1e-9),
+            "launch_bound": launch > (weights + live_ctx * kv_gpu) / bw}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +304,7 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
     total = train_gpus + (0 if colocated else gen_gpus)
     p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, mem, train_peak / GiB,
              (resident + vllm_w + kv_tokens * kv_gpu) / GiB, kv_tokens * kv_gpu / GiB, kv_tokens, gen["concurrency"],
-             gen["seqs"], times, step, wl.samples * wl.mean_len / step / total)
+             gen["seqs"], times, step, wl.samples * wl.mean_len / step / total, eager_decode=wl.enforce_eager)
     p.bound = _bound(p, gen, side, usable)
     return p
 
@@ -308,6 +318,8 @@ def _bound(p: Plan, gen: dict, side: dict, usable: float) -> str:
             why = f"decode, KV cache ({p.concurrency}/{p.seqs_per_instance} seqs at once)"
         else:
             why = "decode, HBM bandwidth"
+        if gen["launch_bound"]:
+            why += ", eager kernel launches"
     elif side["bubble"] > 0.15:
         why = f"{phase}, pipeline bubble {side['bubble']:.0%}"
     elif side["balance"] < 0.8:
@@ -421,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer-steps", type=int, default=1, help="optimizer steps per rollout batch")
     ap.add_argument("--mb-tokens", type=int, default=None, help="tokens per training micro-batch (default seq-len)")
     ap.add_argument("--kl", action="store_true", help="a KL reference model: one more logprob pass")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=GenerationConfig.enforce_eager,
+                    help="vLLM decodes without CUDA graphs (generation.enforce_eager; default: %(default)s, as in "
+                         "the config)")
     ap.add_argument("--colocated", action="store_true",
                     help="policy and vLLM share every GPU (default: split the GPUs between them)")
     ap.add_argument("--top", type=int, default=5)
@@ -428,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     wl = Workload(samples=args.samples, seq_len=args.seq_len, avg_len=args.avg_len, prompt_len=args.prompt_len,
                   mb_tokens=args.mb_tokens, optimizer_steps=args.optimizer_steps,
-                  logprob_passes=2 if args.kl else 1)
+                  logprob_passes=2 if args.kl else 1, enforce_eager=args.enforce_eager)
     gpu = GPUS[args.gpu]
     try:
         label, spec, note = resolve_model(args.model)
@@ -443,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{label}: {spec.num_parameters() / 1e9:.2f}B parameters, {args.gpus} x {gpu.name}, {mode}")
     print(f"workload: {wl.samples} sequences/step, mean {wl.mean_len} tokens (prompt {wl.prompt_len}), "
           f"max {wl.seq_len}; {wl.logprob_passes} logprob pass(es); {wl.optimizer_steps} optimizer step(s)")
+    launch_ms = spec.num_layers * EAGER_LAUNCH_S_PER_LAYER * 1e3
+    decode = (f"eager (generation.enforce_eager: at least {launch_ms:.1f} ms of kernel launches per decode step)"
+              if wl.enforce_eager else "CUDA graphs (generation.enforce_eager false)")
+    print(f"decode: {decode}")
     if note:
         print(note)
     print(_table(plans))

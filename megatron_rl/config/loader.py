@@ -26,6 +26,15 @@ class ConfigError(ValueError):
     """A configuration problem, always naming the key path."""
 
 
+# Values a user may reasonably try that the schema leaves out on purpose: key path -> value -> why.
+REFUSED_VALUES = {
+    "policy.precision": {
+        "fp16": "fp16 needs dynamic loss scaling, which megatron-rl does not wire (megatron's fp16 optimizer would "
+                "unscale gradients of a loss that was never scaled, so the run cannot learn); use bf16 (or fp32)",
+    },
+}
+
+
 # ---------------------------------------------------------------------------------------------------- YAML layering
 
 def _merge(base: dict, over: dict) -> dict:
@@ -106,6 +115,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {args}")
     if origin is typing.Literal:
+        why = REFUSED_VALUES.get(path, {}).get(value) if isinstance(value, str) else None
+        if why:
+            raise ConfigError(f"{path}: {value!r} is refused: {why}")
         if value not in args:
             raise ConfigError(f"{path}: {value!r} is not one of {list(args)}")
         return value

@@ -74,6 +74,7 @@ def _bcast(obj):
     if d is None:
         return obj
     box = [obj]
+    # object collectives pick their device themselves (NCCL: the current CUDA device, which the worker sets)
     d.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -83,7 +84,7 @@ def _gather(obj) -> list:
     if d is None:
         return [obj]
     out = [None] * d.get_world_size()
-    d.all_gather_object(out, obj)
+    d.all_gather_object(out, obj)  # object collective: torch picks the device (see _bcast)
     return out
 
 
@@ -100,7 +101,7 @@ def _checksums(root: Path) -> dict[str, dict]:
 
 @contextlib.contextmanager
 def _allow_child_processes():
-    """Let a daemonic process (e.g. a rank started by megatron_rl.testing.run_distributed) start children.
+    """Let a daemonic process (e.g. a rank started by megatron_rl.distributed.launch.run_distributed) start children.
 
     megatron's torch_dist writer always writes through child processes (a spawn-context Manager queue and forked
     writers), and multiprocessing forbids children of daemonic processes. The writers are joined before save
@@ -195,7 +196,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
                 (tmp / HF_DIR / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         d = _dist()
         if d:
-            d.barrier()
+            d.barrier()  # no tensor of ours: torch places the barrier's own
         files = _checksums(tmp)
         if rank == 0:
             meta = {

@@ -315,6 +315,6 @@ def iter_hf_tensors(model, spec: ModelSpec | None = None, *, tp_group=None,
         else:
             local = local.contiguous()
             shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local, group=tp_group)
+            dist.all_gather(shards, local, group=tp_group)  # parameter shards: on the model's (the group's) device
         for hf_name, t in zip(hf_names, to_hf(e, shards, spec)):
             yield hf_name, (t.to(dtype) if dtype is not None else t)

@@ -1,0 +1,1 @@
+"""Helpers for the test suite only (Ray worker subclasses); production code never imports this package."""

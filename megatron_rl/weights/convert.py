@@ -58,7 +58,7 @@ def _init_worker(tp: int, pp: int):
 def _launch(body, world: int, args: tuple) -> list:
     """Run body(rank, world, *args) on `world` ranks: spawned locally, or this process being one torchrun rank."""
     if not _under_torchrun():
-        from megatron_rl.testing.distributed import run_distributed
+        from megatron_rl.distributed.launch import run_distributed
 
         return run_distributed(body, world_size=world, args=args, timeout=7 * 24 * 3600.0)
     import torch
@@ -71,7 +71,7 @@ def _launch(body, world: int, args: tuple) -> list:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     result = body(dist.get_rank(), world, *args)
     out = [None] * world
-    dist.all_gather_object(out, result)
+    dist.all_gather_object(out, result)  # object collective on the gloo group above: torch picks the device
     return out
 
 
@@ -83,7 +83,7 @@ def _barrier():
     if _under_torchrun():
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier()  # no tensor of ours, and the conversion group is gloo
 
 
 def _fresh_out(out: Path) -> Path:
@@ -217,7 +217,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         box = [tmp]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0)  # object collective on gloo: torch picks the device
         tmp = box[0]
     try:
         ranks = _launch(_m2h_body, tp * pp, (str(ckpt), tmp, tp, pp, params_dtype, out_dtype, int(max_shard_bytes)))

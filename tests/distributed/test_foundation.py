@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_rl.testing.distributed import run_distributed
+from megatron_rl.distributed.launch import run_distributed
 from tests.distributed import foundation_bodies
 
 

@@ -6,7 +6,7 @@ model); pytest.ini deselects `slow` by default. Measured: max |Δlogit| 5.7e-5 a
 import pytest
 
 from megatron_rl.paths import default_model_dir
-from megatron_rl.testing.distributed import run_distributed
+from megatron_rl.distributed.launch import run_distributed
 from tests.distributed import models_bodies
 
 pytestmark = pytest.mark.slow

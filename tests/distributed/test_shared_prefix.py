@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rl.models.tiny import write_tiny_hf_model
-from megatron_rl.testing.distributed import run_distributed
+from megatron_rl.distributed.launch import run_distributed
 from tests.distributed import shared_prefix_bodies
 
 LAYOUTS = ["dp2", "tp2", "pp2"]

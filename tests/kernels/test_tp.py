@@ -1,5 +1,5 @@
 """Vocab-parallel (TP=2, gloo) logprobs/entropy and fused linear equal the full-vocab reference. One launch."""
-from megatron_rl.testing.distributed import run_distributed
+from megatron_rl.distributed.launch import run_distributed
 from tests.kernels import tp_bodies
 
 

@@ -76,6 +76,16 @@ def test_wrong_values_name_key(tmp_path, override, match):
         load_config(p, [override], check_model=False)
 
 
+def test_fp16_is_refused_with_the_reason(tmp_path):
+    why = r"policy\.precision: 'fp16' is refused: fp16 needs dynamic loss scaling.*use bf16 \(or fp32\)"
+    with pytest.raises(ConfigError, match=why):
+        load_config(write(tmp_path, "fp16.yaml", "policy: {precision: fp16}\n"), check_model=False)
+    with pytest.raises(ConfigError, match=why):
+        load_config(write(tmp_path, "ok.yaml", "{}\n"), ["policy.precision=fp16"], check_model=False)
+    for ok in ("auto", "bf16", "fp32"):
+        assert load_config(tmp_path / "ok.yaml", [f"policy.precision={ok}"], check_model=False).policy.precision == ok
+
+
 def test_impossible_parallel_layout_names_model(tmp_path):
     model = tiny_model_dir(tmp_path, heads=9, kv=3, layers=30)  # SmolLM2's shape
     p = write(tmp_path, "c.yaml", f"policy: {{model: {model}}}\ncluster: {{devices_per_node: 4}}\n")

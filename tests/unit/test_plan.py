@@ -7,7 +7,7 @@ import pytest
 from megatron_rl import plan as P
 from megatron_rl.models.provider import model_spec
 from megatron_rl.plan_presets import GPUS, MODELS
-from megatron_rl.testing.distributed import run_distributed
+from megatron_rl.distributed.launch import run_distributed
 
 
 def _tiny(arch="llama", *, tied=False, vocab=1000, hidden=64, heads=4, kv=2, head_dim=None, ffn=96, layers=4):
@@ -178,3 +178,27 @@ def test_cli_delegates_plan_including_help():
     r = subprocess.run([sys.executable, "-m", "megatron_rl", "plan", "--model", "qwen2.5-1.5b", "--gpus", "8",
                         "--colocated"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "binding constraint" in r.stdout, r.stderr
+
+
+def test_decode_mode_follows_the_config_default_and_enforce_eager(capsys):
+    from megatron_rl.config.schema import GenerationConfig
+
+    # one default for both: vLLM's CUDA graphs on GPU, which the decode constants are calibrated for
+    assert P.Workload().enforce_eager is GenerationConfig.enforce_eager is False
+    spec = model_spec(MODELS["qwen2.5-1.5b"])
+    graphs = P.evaluate(spec, GPUS["h100"], P.Workload(), tp=1, pp=1, dp=8, gen_tp=1, gen_gpus=8, recompute=False,
+                        colocated=True)
+    eager = P.evaluate(spec, GPUS["h100"], P.Workload(enforce_eager=True), tp=1, pp=1, dp=8, gen_tp=1, gen_gpus=8,
+                       recompute=False, colocated=True)
+    assert not graphs.eager_decode and eager.eager_decode
+    # a small model's decode step is shorter than eager launching its layers: eager decode is slower, nothing else
+    assert eager.times_s["generate"] > 1.3 * graphs.times_s["generate"]
+    assert eager.times_s["train"] == graphs.times_s["train"]
+    assert "eager kernel launches" in eager.bound and "eager" not in graphs.bound
+
+    assert P.main(["--model", "qwen2.5-1.5b", "--gpus", "8", "--colocated"]) == 0
+    assert "decode: CUDA graphs" in capsys.readouterr().out
+    assert P.main(["--model", "qwen2.5-1.5b", "--gpus", "8", "--colocated", "--enforce-eager", "--json"]) == 0
+    assert all(p["eager_decode"] for p in json.loads(capsys.readouterr().out))
+    assert P.main(["--model", "qwen2.5-1.5b", "--gpus", "8", "--colocated", "--enforce-eager"]) == 0
+    assert "decode: eager (generation.enforce_eager" in capsys.readouterr().out

@@ -1,13 +1,13 @@
-"""Run a function in N local gloo processes and collect what each rank returns.
+"""Run a function in N local processes joined by a gloo process group, and collect what each rank returns.
 
-Tests use this to check TP/PP/DP equivalence without torchrun:
+The conversion tool (`megatron-rl convert` without torchrun) and the multi-rank tests use it:
 
     results = run_distributed(my_module.body, world_size=2, args=(x,))
 
 `body(rank, world_size, *args)` runs in a fresh spawned process after `torch.distributed` is initialised with gloo on
 loopback; its return value (picklable) comes back in rank order. An exception in any rank is re-raised here with that
-rank's traceback; a rank that dies or hangs fails the call after `timeout` seconds instead of hanging the test.
-Imports cost ~10 s per launch on 2 cores, so put several checks into one body.
+rank's traceback; a rank that dies or hangs fails the call after `timeout` seconds instead of hanging the caller.
+Imports cost ~10 s per launch on 2 cores, so tests put several checks into one body.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
         while len(results) + len(errors) < world_size:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"distributed test did not finish in {timeout:.0f}s "
+                raise TimeoutError(f"distributed run did not finish in {timeout:.0f}s "
                                    f"(ranks done: {sorted(results)})")
             try:
                 rank, ok, payload = queue.get(timeout=min(left, 1.0))
@@ -95,7 +95,7 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks are likely blocked in a collective: fail fast
         if errors:
-            raise RuntimeError("distributed test failed:\n" + "\n".join(errors))
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
         return [results[r] for r in range(world_size)]
     finally:
         for p in procs:
