@@ -143,9 +143,9 @@ def _child(steps, ckpt_every, warmup, window, out: Path, model) -> dict:
     try:
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
-            grpo.train_step(cfg, c, step, loss_fn)
-            if ckpt_every and step % ckpt_every == 0:
-                grpo._save(cfg, c, root, step)
+            due = ckpt_every and step % ckpt_every == 0
+            grpo.train_step(cfg, c, step, loss_fn, checkpoint=(lambda s=step: grpo._save(cfg, c, root, s)) if due
+                            else None)
             times.append(time.perf_counter() - t0)
             rss.append({f"{role}-{i}": _rss(pid) for role, i, pid in names})
             fds.append({f"{role}-{i}": _nfds(pid) for role, i, pid in names})

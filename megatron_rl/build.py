@@ -24,6 +24,7 @@ class Components:
     reward_fn: object
     placement: object
     model_dir: Path
+    handover: object  # algorithms.handover.Handover: who holds the device
 
     def shutdown(self) -> None:
         # vLLM first: Ray's shutdown otherwise leaks its /dev/shm segments (ENVIRONMENT.md)
@@ -45,6 +46,14 @@ class Components:
 
 def max_model_len(cfg: Config) -> int:
     return cfg.generation.max_model_len or (cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens)
+
+
+def build_engine(cfg: Config, model_dir: Path | str, seed: int = 0):
+    """An in-process rollout engine for `cfg.generation` (evaluation, benches); the Ray-hosted engine of a training
+    run is built in `build`. The one place that names the concrete engine class for callers above the workers."""
+    from megatron_rl.generation.vllm_generator import VLLMGenerator
+
+    return VLLMGenerator(cfg.generation, str(model_dir), max_model_len=max_model_len(cfg), seed=seed)
 
 
 def build_data(cfg: Config, model_dir: Path):
@@ -94,6 +103,11 @@ def build(cfg: Config, out_dir: Path) -> Components:
                         log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
                         init_kwargs=dict(policy_cfg=cfg.policy, max_steps=cfg.grpo.max_steps))
     policy = PolicyGroup(group)
+    from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
+
+    handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES)
+    # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
+    handover.before_engine_start()
     gen_bundle = 0 if c.colocated else world
     gen_log = str(logs / "generator.log")
     actor = ray.remote(GeneratorActor).options(
@@ -102,4 +116,6 @@ def build(cfg: Config, out_dir: Path) -> Components:
              None if plat.is_gpu else (cfg.generation.threads or cores))
     generator = RemoteGenerator(actor, "generator", gen_log)
     generator.pid()  # wait until the engine is up (and fail here, naming it, if it cannot start)
-    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir)
+    handover.generator = generator
+    handover.check_engine_started()
+    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover)

@@ -48,12 +48,79 @@ class Platform:
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cuda", local_rank) if self.is_gpu else torch.device("cpu")
 
+    # ---- memory moves of the colocated handover (policy/offload.py); the same steps run on both platforms
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer for offloaded device state: pinned on GPU (asynchronous, full-bandwidth copies)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=self.is_gpu)
+
+    def synchronize(self) -> None:
+        """Wait for queued device copies (GPU); CPU copies are synchronous."""
+        if self.is_gpu:
+            torch.cuda.synchronize()
+
+    def release_cached_memory(self) -> None:
+        """Return freed blocks from torch's caching allocator to the driver, so another process (the colocated vLLM
+        engine) can allocate them. CPU frees go straight back to the allocator: nothing to do."""
+        if self.is_gpu:
+            torch.cuda.empty_cache()
+
+    def rng_state(self) -> dict:
+        """Every RNG stream a resumed run must continue: the CPU generator, the CUDA generator of this device (GPU),
+        and megatron's tensor-parallel RNG tracker (dropout inside TP regions)."""
+        state = {"cpu": torch.get_rng_state()}
+        if self.is_gpu:
+            state["cuda"] = torch.cuda.get_rng_state()
+        tracker = _megatron_rng_tracker()
+        if tracker is not None:
+            state["megatron_tracker"] = tracker.get_states()
+        return state
+
+    def set_rng_state(self, state) -> None:
+        if torch.is_tensor(state):  # checkpoints written before the CUDA/tracker states were kept
+            state = {"cpu": state}
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            if not self.is_gpu:
+                raise RuntimeError("this checkpoint holds a CUDA RNG state (it was written on GPU); resuming it on "
+                                   "CPU would not continue the same random stream")
+            torch.cuda.set_rng_state(state["cuda"])
+        tracker = _megatron_rng_tracker()
+        if tracker is not None and "megatron_tracker" in state:
+            tracker.set_states(state["megatron_tracker"])
+
+    def collective_device(self, backend: str, cuda_index: int | None = None) -> torch.device:
+        """Where a tensor must live for a collective on a process group with this `backend`.
+
+        NCCL moves only CUDA tensors, on this rank's current device (the worker sets it at start-up); gloo reduces
+        CPU tensors (its CUDA support covers a few ops only). A per-device backend ("cpu:gloo,cuda:nccl") serves
+        both: this platform's device then. `cuda_index` stands in for torch.cuda.current_device().
+        """
+        b = str(backend).lower()
+        if "," in b or ":" in b:
+            b = "nccl" if self.is_gpu and "cuda:nccl" in b else "gloo" if "cpu:gloo" in b else b
+        if b == "nccl":
+            return torch.device("cuda", torch.cuda.current_device() if cuda_index is None else cuda_index)
+        if b == "gloo":
+            return torch.device("cpu")
+        raise ValueError(f"no collective device known for torch.distributed backend {backend!r}")
+
     def resolve_dtype(self, precision: str) -> torch.dtype:
         """Map a config precision ("auto", "fp32", "bf16", "fp16") to a dtype; "auto" is bf16 on GPU, fp32 on CPU."""
         table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         if precision == "auto":
             return self.default_dtype
         return table[precision]
+
+
+def _megatron_rng_tracker():
+    """megatron's TP RNG tracker when megatron-core is loaded in this process (policy ranks), else None."""
+    import sys
+
+    if "megatron.core" not in sys.modules:
+        return None
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker()
 
 
 def _transformer_engine_importable() -> bool:

@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     from megatron_rl.config.schema import Config
     from megatron_rl.data.datasets import load_dataset
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.generation.vllm_generator import VLLMGenerator
+    from megatron_rl.build import build_engine
     from megatron_rl.rewards.reward_fn import RewardFn
 
     overrides = list(args.overrides) + [f"policy.model={args.model}"]
@@ -69,8 +69,7 @@ def main(argv: list[str]) -> int:
     items = [it for it in (ds.item(i) for i in range(min(args.num_prompts, len(ds)))) if it is not None]
     reward_fn = RewardFn(cfg.reward, cfg.data.source)
     t0 = time.time()
-    gen = VLLMGenerator(cfg.generation, args.model,
-                        max_model_len=cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens)
+    gen = build_engine(cfg, args.model)
     try:
         result = evaluate(gen, items, reward_fn, tok, n=args.n,
                           temperature=args.temperature if args.temperature is not None else cfg.generation.temperature,

@@ -3,8 +3,9 @@
     megatron-rl train configs/demo_cpu.yaml [key=value ...]
 
 Re-running the same command resumes from the newest complete checkpoint under `<output.dir>/checkpoints`.
-Weight versions: the generator starts at version 0 (the initial weights); after training step s the policy streams
-its weights as version s, and step s+1 refuses to generate with anything else.
+Who holds the device when (colocated), and the weight versions (each refit is the next one; a rollout with another
+version is refused): `algorithms/handover.py`. A step with no trainable group (dynamic sampling dropped them all) is
+logged as skipped and changes nothing; `grpo.max_empty_steps` of them in a row abort the run.
 """
 from __future__ import annotations
 
@@ -23,46 +24,25 @@ from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.rollout import build_rollout, sample_groups
 from megatron_rl.algorithms.tracking import Tracker
 from megatron_rl.config import Config, dump_yaml
-from megatron_rl.platform import device_telemetry, get_platform
-
-BUCKET_BYTES = 256 << 20
-
+from megatron_rl.platform import device_telemetry
 
 class NonFiniteAbort(RuntimeError):
     pass
 
 
-def _to_trainer(cfg: Config, c) -> None:
-    """Colocated: after generating, the engine frees its device memory and the trainer's state comes back.
-    (No-ops on CPU, where both live in host memory.)"""
-    if cfg.cluster.colocated:
-        c.generator.sleep()
-        c.policy.onload()
+class EmptyStepsAbort(RuntimeError):
+    pass
 
 
-def _refit(c, version: int, colocated_handover: bool = False) -> float:
-    """Stream the policy's weights into the generator as `version`. With a colocated handover (after training):
-    the engine's weights wake first, the refit fills them, the trainer's state goes to host memory, and only then
-    the KV cache is allocated again, so the two never hold the device at full size together."""
-    t0 = time.perf_counter()
-    if colocated_handover:
-        c.generator.wake_up(["weights"])
-    handle = c.policy.send_weights(version, get_platform().refit_transport_colocated, BUCKET_BYTES)
-    c.generator.receive_weights(handle.to_dict())
-    if colocated_handover:
-        c.policy.offload()
-        c.generator.wake_up(["kv_cache"])
-    return time.perf_counter() - t0
-
-
-def _validate(cfg: Config, c, version: int, t_start: float) -> dict:
+def _validate(cfg: Config, c, t_start: float) -> dict:
     g = cfg.generation
     greedy = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=1, temperature=0.0, top_p=1.0,
-                      max_tokens=g.max_new_tokens, version=version)
+                      max_tokens=g.max_new_tokens, version=c.handover.version)
     out = {"val_accuracy": greedy["val_accuracy"]}
     if cfg.grpo.val_pass_k > 0:
         sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
-                           temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens, version=version,
+                           temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens,
+                           version=c.handover.version,
                            seed=cfg.grpo.seed)
         out.update(val_pass_at_k=sampled["val_pass_at_k"], val_sample_accuracy=sampled["val_accuracy"])
     # wall time from the start of this process's run (set-up included): "accuracy within N minutes"
@@ -127,30 +107,48 @@ def _resume(cfg: Config, c, root: Path) -> int:
     latest = latest_checkpoint(root) if cfg.checkpoint.resume else None
     if latest is None:
         if cfg.init_from:  # a stage chain: start from the previous stage's weights, fresh optimizer and data
+            c.handover.to_trainer()
             c.policy.group.call("load_weights", cfg.init_from)
             print(f"[megatron-rl] initialised from {cfg.init_from}")
             return 0
         return 0
+    c.handover.to_trainer()
     state = c.policy.load(str(latest))
     c.train_stream.load_state_dict(state["stream"])
     print(f"[megatron-rl] resumed from {latest} (step {state['step']})")
     return int(state["step"])
 
 
-def train_step(cfg: Config, c, step: int, loss_fn) -> dict:
-    """One GRPO step; returns the metrics record (without validation)."""
+def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None) -> dict:
+    """One GRPO step; returns the metrics record (without validation). `checkpoint()`, when given, runs while the
+    trainer holds the device (after the refit, before the handover back to the generator)."""
     T = cfg.generation.temperature
     t_step = time.perf_counter()
     t0 = time.perf_counter()
     groups, gstats = sample_groups(cfg, _SeededGenerator(c.generator, cfg.grpo.seed * 100_003 + step),
-                                   c.train_stream, c.reward_fn, c.tokenizer, version=step - 1)
-    _to_trainer(cfg, c)
+                                   c.train_stream, c.reward_fn, c.tokenizer, version=c.handover.version)
+    time_sampling = time.perf_counter() - t0
+    t0 = time.perf_counter()
     roll = build_rollout(cfg, groups, gstats)
     batch = roll.batch
-    time_generate = time.perf_counter() - t0
+    rewards = roll.rewards.flatten()
+    rec = {"step": step, "time_generate_s": time_sampling - gstats.get("reward_s", 0.0), "time_reward_s": gstats.get("reward_s", 0.0),
+           "time_rollout_s": time.perf_counter() - t0,
+           "num_sequences": len(batch), "num_reward_timeouts": gstats.get("num_timeouts", 0),
+           "num_reward_errors": gstats.get("num_errors", 0), "num_groups_dropped": gstats.get("num_groups_dropped", 0),
+           "truncated_frac": gstats["num_truncated"] / max(gstats["num_samples"], 1)}
+    if rewards.numel():  # over the kept groups; absent (not 0) when dynamic sampling dropped every group
+        rec.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if rewards.numel() > 1 else 0.0)
     if len(batch) == 0:
-        raise RuntimeError(f"step {step}: no trainable sequences (all groups dropped or all responses empty)")
+        # every group was dropped (all-equal rewards under dynamic sampling) or every response was empty: nothing to
+        # learn from this rollout. The weights stay as they are, so the engine keeps its version and the device.
+        rec.update(skipped=True, no_trainable_groups=True)
+        if checkpoint is not None:
+            c.handover.to_trainer()
+            checkpoint()
+        return _finish(c, rec, t_step)
 
+    c.handover.to_trainer()
     t0 = time.perf_counter()
     several = cfg.grpo.optimizer_steps_per_rollout > 1
     if several or not cfg.grpo.reuse_onpolicy_logprobs:
@@ -162,32 +160,43 @@ def train_step(cfg: Config, c, step: int, loss_fn) -> dict:
     t0 = time.perf_counter()
     results = [c.policy.train(mb, loss_fn, T) for mb in _split(batch, cfg.grpo.optimizer_steps_per_rollout)]
     time_train = time.perf_counter() - t0
-    first = results[0]
-    train_lps = batch.old_logprobs if batch.old_logprobs is not None else first.logprobs
-    skipped = any(r.skipped for r in results)
-
-    refit_s = _refit(c, step, colocated_handover=cfg.cluster.colocated)
+    # the on-policy pass (reused as "old" logprobs) is the first mini-batch's forward, before any update
+    train_lps = batch.old_logprobs if batch.old_logprobs is not None else results[0].logprobs
+    refit_s = c.handover.refit()
+    if checkpoint is not None:
+        checkpoint()
     mask = torch.ones(sum(len(x) for x in batch.gen_logprobs))
     mm = mismatch_metrics(torch.cat(batch.gen_logprobs), torch.cat([t.float() for t in train_lps]), mask)
-    rewards = roll.rewards.flatten()
-    n_tokens = sum(len(x) for x in batch.input_ids)
-    elapsed = time.perf_counter() - t_step
-    m = first.metrics
-    rec = {
-        "step": step, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if rewards.numel() > 1
-        else 0.0, "loss": m.get("loss"), "kl": m.get("kl", 0.0), "entropy": m.get("entropy"),
-        "clip_frac": m.get("clip_frac"), "grad_norm": m.get("grad_norm"), "lr": m.get("lr"),
+    m = _merge_minibatch_metrics([r.metrics for r in results])
+    rec.update({
+        "loss": m.get("loss"), "kl": m.get("kl", 0.0), "entropy": m.get("entropy"), "clip_frac": m.get("clip_frac"),
+        "grad_norm": m.get("grad_norm"), "lr": m.get("lr"), "num_optimizer_steps": len(results),
         "token_mult_prob_error": mm["token_mult_prob_error"], "gen_kl_error": mm["gen_kl_error"],
-        "response_len_mean": sum(batch.response_lens()) / len(batch), "num_tokens": n_tokens,
-        "tokens_per_s": n_tokens / elapsed, "time_generate_s": time_generate, "time_logprobs_s": time_logprobs,
-        "time_train_s": time_train, "time_refit_s": refit_s, "time_step_s": elapsed, "skipped": skipped,
-        "num_sequences": len(batch), "num_reward_timeouts": gstats.get("num_timeouts", 0),
-        "num_reward_errors": gstats.get("num_errors", 0),
-        "num_groups_dropped": gstats.get("num_groups_dropped", 0), "truncated_frac":
-            gstats["num_truncated"] / max(gstats["num_samples"], 1),
-    }
+        "response_len_mean": sum(batch.response_lens()) / len(batch), "num_tokens": sum(len(x) for x in batch.input_ids),
+        "time_logprobs_s": time_logprobs, "time_train_s": time_train, "time_refit_s": refit_s,
+        "skipped": any(r.skipped for r in results), "no_trainable_groups": False,
+    })
+    return _finish(c, rec, t_step)
+
+
+def _finish(c, rec: dict, t_step: float) -> dict:
+    """Hand the device back to the generator and close the record's timings."""
+    c.handover.to_generator()
+    rec["time_handover_s"] = c.handover.take_seconds()
+    rec["time_step_s"] = time.perf_counter() - t_step
+    rec["tokens_per_s"] = rec.get("num_tokens", 0) / rec["time_step_s"]
     rec.update(device_telemetry())
     return rec
+
+
+def _merge_minibatch_metrics(per_step: list[dict]) -> dict:
+    """Several optimizer steps per rollout: each metric is the mean over the mini-batches (each already normalised
+    over its own tokens), except the learning rate, which is the last step's."""
+    keys = {k for m in per_step for k in m}
+    out = {k: sum(m[k] for m in per_step if k in m) / sum(1 for m in per_step if k in m) for k in keys}
+    if "lr" in per_step[-1]:
+        out["lr"] = per_step[-1]["lr"]
+    return out
 
 
 class _SeededGenerator:
@@ -250,32 +259,43 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     tracker = None
     try:
         start = _resume(cfg, c, root)
-        if start > 0 or cfg.init_from:
-            _refit(c, start)
+        if c.handover.trainer_holds_device:  # loaded a checkpoint or a previous stage's weights
+            c.handover.refit()
+            c.handover.to_generator()
         tracker = Tracker(out, resume_step=start, total_steps=cfg.grpo.max_steps, tensorboard=cfg.logging.tensorboard,
                           plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every)
         if start == 0 and c.val_items:
-            base = _validate(cfg, c, 0, t_start)
+            base = _validate(cfg, c, t_start)
             tracker.log_validation(0, base)
             passk = f", pass@{cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}" if "val_pass_at_k" in base else ""
             print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
         loss_fn = GRPOLossFn(cfg.grpo.loss)
-        nonfinite = 0
+        nonfinite = empty = 0
         for step in range(start + 1, cfg.grpo.max_steps + 1):
-            rec = train_step(cfg, c, step, loss_fn)
-            nonfinite = nonfinite + 1 if rec["skipped"] else 0
-            if rec["skipped"]:
+            due = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == cfg.grpo.max_steps)
+            # the checkpoint is written inside the step, while the trainer's state is resident (colocated handover)
+            rec = train_step(cfg, c, step, loss_fn, checkpoint=(lambda s=step: _save(cfg, c, root, s)) if due else None)
+            empty = empty + 1 if rec["no_trainable_groups"] else 0
+            nonfinite = nonfinite + 1 if rec["skipped"] and not rec["no_trainable_groups"] else 0
+            if empty:
+                print(f"[megatron-rl] step {step}: no trainable group ({rec['num_groups_dropped']} dropped with "
+                      f"all-equal rewards), update skipped ({empty} in a row)", file=sys.stderr, flush=True)
+            elif rec["skipped"]:
                 print(f"[megatron-rl] step {step}: non-finite loss or gradient, update skipped "
                       f"({nonfinite} in a row)", file=sys.stderr, flush=True)
             if nonfinite and nonfinite >= cfg.grpo.max_nonfinite_steps:
                 tracker.log(rec)  # the aborting step's record is kept too
                 raise NonFiniteAbort(f"{nonfinite} consecutive steps with non-finite loss/gradients "
                                      f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); aborting")
+            if empty and empty >= cfg.grpo.max_empty_steps:
+                tracker.log(rec)
+                raise EmptyStepsAbort(f"{empty} consecutive steps without a trainable group "
+                                      f"(grpo.max_empty_steps={cfg.grpo.max_empty_steps}): every group's rewards were "
+                                      "all equal; the task is too hard or too easy for this policy, or the reward is "
+                                      "broken; aborting")
             if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items:
-                rec.update(_validate(cfg, c, step, t_start))
+                rec.update(_validate(cfg, c, t_start))
             tracker.log(rec)
-            if cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == cfg.grpo.max_steps):
-                _save(cfg, c, root, step)
         _summary(cfg, tracker, out)
         return 0
     finally:

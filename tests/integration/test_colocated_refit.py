@@ -56,9 +56,13 @@ def test_refit_after_training_serves_trained_weights(parts):
     assert all(r["grad_norm"] > 0 and not r["skipped"] for r in recs), [(r["grad_norm"], r["skipped"], r["reward_std"]) for r in recs]
 
     exported = {}
-    for part in c.policy.group.call("hf_state_dict"):
-        if part:
-            exported.update(part)
+    c.handover.to_trainer()  # between steps the colocated trainer's state is offloaded: exporting needs it back
+    try:
+        for part in c.policy.group.call("hf_state_dict"):
+            if part:
+                exported.update(part)
+    finally:
+        c.handover.to_generator()
     config = AutoConfig.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     missing, unexpected = hf.load_state_dict(exported, strict=False)

@@ -341,15 +341,19 @@ def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model,
 
     def hf_weights(c):
         out = {}
-        for part in c.policy.group.call("hf_state_dict"):
-            out.update(part or {})
+        c.handover.to_trainer()  # the colocated trainer's state is offloaded between steps
+        try:
+            for part in c.policy.group.call("hf_state_dict"):
+                out.update(part or {})
+        finally:
+            c.handover.to_generator()
         return out
 
-    def step_with_faults(cfg, c, step, loss_fn):
+    def step_with_faults(cfg, c, step, loss_fn, checkpoint=None):
         if step not in poison:
-            return real_step(cfg, c, step, loss_fn)
+            return real_step(cfg, c, step, loss_fn, checkpoint)
         before = hf_weights(c)
-        rec = real_step(cfg, c, step, faults_inject.PoisonedLoss(loss_fn, poison[step]))
+        rec = real_step(cfg, c, step, faults_inject.PoisonedLoss(loss_fn, poison[step]), checkpoint)
         weights[step] = (before, hf_weights(c))
         return rec
 

@@ -120,11 +120,29 @@ class TestUntied:
         assert stopped.finish_reasons == ["stop"]
         assert stopped.token_ids[0] == res.token_ids[0][:len(stopped.token_ids[0])]
 
-    def test_cpu_lifecycle_calls_and_threads(self, gen):
-        # sleep/wake free nothing on CPU but must be callable by the driver in the same order as on GPU
+    def test_sleep_releases_the_kv_cache_and_wake_restores_it(self, gen):
+        from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
+
+        before = gen.generate(PROMPTS[:2], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=6)
+        kv = gen.kv_cache_bytes()
+        assert gen.state == AWAKE and kv > 0
+        # vLLM's own sleep runs (scheduler paused, prefix cache cleared); on CPU the extension frees the KV cache
         gen.sleep()
+        assert gen.state == ASLEEP and gen.kv_cache_bytes() == 0
+        with pytest.raises(LifecycleError, match="asleep"):
+            gen.generate(PROMPTS[:1], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4)
+        with pytest.raises(LifecycleError, match="weights before its KV cache"):
+            gen.wake_up(["kv_cache"])
         gen.wake_up(["weights"])
+        assert gen.state == WEIGHTS_ONLY and gen.kv_cache_bytes() == 0
+        with pytest.raises(LifecycleError, match="weights_only"):
+            gen.generate(PROMPTS[:1], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4)
         gen.wake_up()
+        assert gen.state == AWAKE and gen.kv_cache_bytes() == kv
+        after = gen.generate(PROMPTS[:2], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=6)
+        assert after.token_ids == before.token_ids  # a zeroed, re-allocated cache and a cleared prefix cache
+
+    def test_cpu_threads(self, gen):
         # the in-process engine replaces torch.set_num_threads with a no-op; the generator restores it, so a trainer
         # sharing the process can still choose its threads, and generation uses its own setting only while it runs
         before = torch.get_num_threads()

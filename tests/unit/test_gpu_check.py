@@ -1,0 +1,74 @@
+"""bench/gpu_check.py --dry-run: the GPU check's code paths on CPU (what CI can run of it), in a fresh process.
+
+The device run itself happens on a lent GPU machine; this keeps its script from rotting between those runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = ("train", "logprob_kernel", "offload", "ipc_refit", "save_after_handover")
+
+
+def _numbers(obj, path=""):
+    """Every int/float leaf (bools and None excluded) with its key path."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield path, obj
+
+
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out),
+                           "--work-dir", str(tmp_path / "work")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert proc.stdout.rstrip().endswith(json.dumps(report, indent=2))  # the same JSON, last on stdout
+    assert report["mode"] == "dry_run" and report["device_type"] == "cpu" and report["ok"] is True
+    for key in ("torch", "triton", "megatron-core"):
+        assert report["versions"][key], key
+    sections = report["sections"]
+    assert list(sections) == list(SECTIONS)
+    for name in SECTIONS:
+        assert "error" not in sections[name], (name, sections[name].get("traceback"))
+        assert sections[name]["wall_s"] > 0
+
+    for path, v in _numbers(sections):
+        assert math.isfinite(v), path
+        if path.endswith(("_s", "_gbs", "tokens_per_s", "tflops", "bytes_before", "_params")) or "mfu" in path:
+            assert v > 0, (path, v)
+
+    train = sections["train"]
+    assert train["layer_spec"] == "local" and train["dtype"] == "bf16"
+    assert 0 < train["mfu_6n"] < train["mfu_6n_plus_attn"]
+    assert all(math.isfinite(x) for x in train["loss"])
+
+    k = sections["logprob_kernel"]
+    assert k["impl"] == "triton" and k["interpreted"]  # the Triton interpreter ran the GPU kernel's code on CPU
+    assert k["logprob_max_abs_err"] < 1e-3
+
+    off = sections["offload"]
+    assert off["device_bytes_before"] > 0
+    assert off["device_bytes_after_offload"] <= 0.01 * off["device_bytes_before"]  # ~0: the trainer's state left
+    assert off["device_bytes_after_onload"] == off["device_bytes_before"]
+    assert off["host_bytes_after_offload"] > 0
+    assert off["state_after_offload"] == "offloaded" and off["state_after_onload"] == "resident"
+    assert off["weights_intact"] is True
+
+    assert sections["ipc_refit"]["transport"] == "shared_memory"
+    assert sections["ipc_refit"]["checksums_match"] and sections["ipc_refit"]["samples_equal"]
+    save = sections["save_after_handover"]
+    assert save["loaded_equals_saved"] and save["weights_moved_by_step"] and save["bytes"] > 0
