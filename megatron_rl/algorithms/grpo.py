@@ -26,6 +26,7 @@ from megatron_rl.algorithms.tracking import Tracker
 from megatron_rl.config import Config, dump_yaml
 from megatron_rl.platform import device_telemetry
 
+
 class NonFiniteAbort(RuntimeError):
     pass
 
@@ -132,7 +133,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None) -> dict:
     roll = build_rollout(cfg, groups, gstats)
     batch = roll.batch
     rewards = roll.rewards.flatten()
-    rec = {"step": step, "time_generate_s": time_sampling - gstats.get("reward_s", 0.0), "time_reward_s": gstats.get("reward_s", 0.0),
+    reward_s = gstats.get("reward_s", 0.0)
+    rec = {"step": step, "time_generate_s": time_sampling - reward_s, "time_reward_s": reward_s,
            "time_rollout_s": time.perf_counter() - t0,
            "num_sequences": len(batch), "num_reward_timeouts": gstats.get("num_timeouts", 0),
            "num_reward_errors": gstats.get("num_errors", 0), "num_groups_dropped": gstats.get("num_groups_dropped", 0),
@@ -172,7 +174,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None) -> dict:
         "loss": m.get("loss"), "kl": m.get("kl", 0.0), "entropy": m.get("entropy"), "clip_frac": m.get("clip_frac"),
         "grad_norm": m.get("grad_norm"), "lr": m.get("lr"), "num_optimizer_steps": len(results),
         "token_mult_prob_error": mm["token_mult_prob_error"], "gen_kl_error": mm["gen_kl_error"],
-        "response_len_mean": sum(batch.response_lens()) / len(batch), "num_tokens": sum(len(x) for x in batch.input_ids),
+        "response_len_mean": sum(batch.response_lens()) / len(batch),
+        "num_tokens": sum(len(x) for x in batch.input_ids),
         "time_logprobs_s": time_logprobs, "time_train_s": time_train, "time_refit_s": refit_s,
         "skipped": any(r.skipped for r in results), "no_trainable_groups": False,
     })

@@ -52,8 +52,8 @@ class Handover:
     def check_engine_started(self) -> None:
         if self.colocated and self.policy.state() != OFFLOADED:
             raise LifecycleError("the generator started while the trainer held the device")
-        if self.generator.state() != AWAKE:
-            raise LifecycleError(f"the generator started {self.generator.state()}, expected {AWAKE}")
+        if self.generator.state != AWAKE:
+            raise LifecycleError(f"the generator started {self.generator.state}, expected {AWAKE}")
 
     def to_trainer(self) -> None:
         if self.colocated and not self.trainer_holds_device:

@@ -104,6 +104,7 @@ class RemoteGenerator:
     def wake_up(self, tags=None) -> None:
         self._call("wake_up", tags)
 
+    @property
     def state(self) -> str:
         return self._call("state")
 

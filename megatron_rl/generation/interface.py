@@ -83,14 +83,20 @@ class Generator(ABC):
         if self.weight_version != version:
             raise StaleWeightsError(f"generator holds weight version {self.weight_version}, expected {version}")
 
+    @property
+    @abstractmethod
+    def state(self) -> str:
+        """`megatron_rl.lifecycle` AWAKE, WEIGHTS_ONLY or ASLEEP: what the engine holds in memory now."""
+
     @abstractmethod
     def sleep(self) -> None:
-        """Free accelerator memory for the trainer (GPU); a no-op on CPU."""
+        """Release the KV cache and the weights' device memory for a colocated trainer (on both platforms: on CPU
+        the KV cache's storage is released). Generating or refitting afterwards raises `LifecycleError`."""
 
     @abstractmethod
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Undo `sleep`. With `tags=None` on GPU, weights come back first and the KV cache after them, so a refit
-        can run between the two (`wake_up(["weights"])`, refit, `wake_up(["kv_cache"])`)."""
+        """Undo `sleep`, weights before the KV cache, so a refit can run between the two (`wake_up(["weights"])`,
+        refit, `wake_up(["kv_cache"])`); `tags=None` wakes both in that order."""
 
     @abstractmethod
     def shutdown(self) -> None:

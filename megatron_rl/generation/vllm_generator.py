@@ -2,7 +2,8 @@
 
 CPU: the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: 2-3 s start, no extra processes), eager,
 fp32, with an explicit KV-cache size. GPU: vLLM's own worker processes, tensor parallel, a share of GPU memory, and
-sleep mode so a colocated trainer gets the memory back between rollouts (written for real, not run here).
+sleep mode so a colocated trainer gets the memory back between rollouts. Sleep/wake go through vLLM's engine on both
+platforms (see `sleep`); only the GPU worker's memory release has not run here (no GPU lent so far).
 
 A plain class on purpose: the Ray layer wraps it in an actor; nothing here knows about Ray.
 

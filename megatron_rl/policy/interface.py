@@ -60,6 +60,14 @@ class PolicyWorker(Protocol):
 
     def load(self, path: str) -> dict: ...
 
-    def offload(self) -> None: ...
+    def offload(self) -> None:
+        """Colocated handover: weights, gradients and optimizer state leave device memory (host copies kept);
+        until `onload()`, every call that reads them raises `megatron_rl.lifecycle.LifecycleError`."""
 
     def onload(self) -> None: ...
+
+    def release_refit(self) -> None:
+        """The generator has loaded the last `send_weights` update: free what the transport kept for it."""
+
+    def memory_report(self) -> dict:
+        """{"state", "device_bytes", "host_bytes", ...} per rank: where the trainer's state is now."""

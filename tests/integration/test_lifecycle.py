@@ -74,7 +74,7 @@ def test_engine_starts_after_the_trainer_left_the_device(parts):
     assert len(reports) == 2  # DP=2
     for r in reports:
         assert r["state"] == OFFLOADED and r["device_bytes"] == 0 and r["host_bytes"] > 0, r
-    assert c.generator.state() == AWAKE and c.generator.kv_cache_bytes() > 0
+    assert c.generator.state == AWAKE and c.generator.kv_cache_bytes() > 0
     assert len(_generate(c, expected_version=0)) == 2
 
 
@@ -82,7 +82,7 @@ def test_handover_moves_memory_and_each_side_refuses_the_wrong_phase(parts):
     _, c, out = parts
     kv_awake = c.generator.kv_cache_bytes()
     c.handover.to_trainer()
-    assert c.generator.state() == ASLEEP and c.generator.kv_cache_bytes() == 0
+    assert c.generator.state == ASLEEP and c.generator.kv_cache_bytes() == 0
     with pytest.raises(LifecycleError, match="generator is asleep"):
         _generate(c, expected_version=0)
     reports = c.policy.memory_report()
@@ -96,9 +96,9 @@ def test_handover_moves_memory_and_each_side_refuses_the_wrong_phase(parts):
         c.generator.wake_up(["kv_cache"])
 
     c.handover.refit()  # wakes the weights, streams version 1
-    assert c.handover.version == 1 and c.generator.state() == WEIGHTS_ONLY
+    assert c.handover.version == 1 and c.generator.state == WEIGHTS_ONLY
     c.handover.to_generator()
-    assert c.generator.state() == AWAKE and c.generator.kv_cache_bytes() == kv_awake
+    assert c.generator.state == AWAKE and c.generator.kv_cache_bytes() == kv_awake
     assert len(_generate(c, expected_version=1)) == 2  # the restored KV cache serves generation
     # the trainer's state is gone from its storage: reading it is refused, naming the phase, on every path
     for method, args in (("save", (str(out / "offloaded_ckpt"),)), ("hf_state_dict", ()),
@@ -116,7 +116,7 @@ def test_checkpoint_inside_the_step_holds_the_trained_weights(parts):
     loss_fn = GRPOLossFn(cfg.grpo.loss)
     rec = train_step(cfg, c, 5, loss_fn, checkpoint=lambda: _save(cfg, c, root, 5))
     assert not rec["skipped"] and rec["grad_norm"] > 0
-    assert c.policy.state() == OFFLOADED and c.generator.state() == AWAKE  # the step ends with the device handed back
+    assert c.policy.state() == OFFLOADED and c.generator.state == AWAKE  # the step ends with the device handed back
     c.handover.to_trainer()
     after_step = _exported(c)
     c.handover.to_generator()
@@ -145,7 +145,7 @@ def test_step_without_trainable_groups_is_skipped_not_fatal(parts):
         c.reward_fn = TextReward()
     assert rec["skipped"] and rec["no_trainable_groups"] and rec["num_groups_dropped"] == 2
     assert rec["num_sequences"] == 0 and "reward_mean" not in rec and "time_refit_s" not in rec
-    assert c.handover.version == version and c.policy.state() == OFFLOADED and c.generator.state() == AWAKE
+    assert c.handover.version == version and c.policy.state() == OFFLOADED and c.generator.state == AWAKE
     rec = train_step(cfg, c, 8, GRPOLossFn(cfg.grpo.loss))  # the next step trains as usual
     assert rec["no_trainable_groups"] is False and c.handover.version == version + 1
 
