@@ -33,7 +33,10 @@ def group_advantages(rewards: Tensor, cfg: AdvantageConfig) -> tuple[Tensor, int
 
     baseline "mean": r_i - mean(group). "leave_one_out": r_i - mean of the other G-1 rewards (an unbiased baseline
     that does not include the sample itself); a group of one has no others, so its advantage is 0.
-    normalize_std: divide by the group's sample standard deviation (Bessel-corrected, as torch.std) + cfg.std_eps.
+    normalize_std: divide by the group's sample standard deviation (Bessel-corrected, as torch.std) + cfg.std_eps;
+    with std_mode "leave_one_out" (NeMo-RL's convention, there paired with the leave-one-out baseline) by the
+    population std of the other G-1 rewards + std_eps instead, and not at all where those others are all equal
+    (their std is 0: dividing by eps would blow a lone success up to 1e6, which NeMo-RL skips as well).
     A group whose rewards are all equal gets exactly zero advantages — it carries no signal, and rounding in the
     mean must not leak a tiny nonzero value through the division by eps.
     """
@@ -52,9 +55,31 @@ def group_advantages(rewards: Tensor, cfg: AdvantageConfig) -> tuple[Tensor, int
     else:
         raise ValueError(f"unknown advantage baseline {cfg.baseline!r} (expected mean or leave_one_out)")
     if cfg.normalize_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + cfg.std_eps)
+        if cfg.std_mode == "group":
+            adv = adv / (r.std(dim=1, keepdim=True) + cfg.std_eps)
+        elif cfg.std_mode == "leave_one_out":
+            std = _leave_one_out_std(r)
+            adv = torch.where(std > 0, adv / (std + cfg.std_eps), adv)
+        else:
+            raise ValueError(f"unknown advantage std_mode {cfg.std_mode!r} (expected group or leave_one_out)")
     constant = (r.amax(dim=1) == r.amin(dim=1)).unsqueeze(1)
     return torch.where(constant, torch.zeros_like(adv), adv), num_bad
+
+
+def _leave_one_out_std(r: Tensor) -> Tensor:
+    """[num_groups, G]: for each sample, the population std (divide by G-1) of the other G-1 rewards of its group.
+
+    Deviations are taken from the others' own mean (G x G per group; G is small), not as E[x^2] - E[x]^2, whose
+    rounding would turn an exact 0 into ~1e-9; where the others are all equal the std is set to exactly 0.
+    """
+    g = r.shape[1]
+    self_pos = torch.eye(g, dtype=torch.bool, device=r.device)  # [i, j]: j is sample i itself
+    others = r.unsqueeze(1).expand(-1, g, -1)  # [group, i, j] = r[group, j]
+    mean = ((r.sum(dim=1, keepdim=True) - r) / (g - 1)).unsqueeze(2)
+    var = torch.where(self_pos, torch.zeros_like(others), (others - mean) ** 2).sum(dim=2) / (g - 1)
+    inf = torch.full_like(others, math.inf)
+    same = torch.where(self_pos, inf, others).amin(dim=2) == torch.where(self_pos, -inf, others).amax(dim=2)
+    return torch.where(same, torch.zeros_like(var), var.sqrt())
 
 
 def groups_with_signal(rewards: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from megatron_rl.algorithms.evaluate import evaluate
 from megatron_rl.algorithms.loss import mismatch_metrics
+from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.rollout import build_rollout, sample_groups
 from megatron_rl.algorithms.tracking import Tracker
@@ -179,6 +180,9 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None) -> dict:
         "time_logprobs_s": time_logprobs, "time_train_s": time_train, "time_refit_s": refit_s,
         "skipped": any(r.skipped for r in results), "no_trainable_groups": False,
     })
+    # optional counters: present when their feature is on (importance masks, DAPO overlong handling)
+    rec.update({k: m[k] for k in ("is_masked_token_frac", "is_masked_seq_frac") if k in m})
+    rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized") if k in gstats})
     return _finish(c, rec, t_step)
 
 
@@ -262,9 +266,9 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     tracker = None
     try:
         start = _resume(cfg, c, root)
-        if c.handover.trainer_holds_device:  # loaded a checkpoint or a previous stage's weights
+        if start > 0 or cfg.init_from:  # loaded a checkpoint or a previous stage's weights: the engine needs them
             c.handover.refit()
-            c.handover.to_generator()
+        c.handover.to_generator()
         tracker = Tracker(out, resume_step=start, total_steps=cfg.grpo.max_steps, tensorboard=cfg.logging.tensorboard,
                           plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every)
         if start == 0 and c.val_items:
@@ -276,8 +280,16 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
         nonfinite = empty = 0
         for step in range(start + 1, cfg.grpo.max_steps + 1):
             due = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == cfg.grpo.max_steps)
+            save_failed: list[CheckpointSaveError] = []
+
+            def checkpoint(s=step):
+                try:
+                    _save(cfg, c, root, s)
+                except CheckpointSaveError as e:  # the step finishes and is logged; the run stops after that
+                    save_failed.append(e)
+
             # the checkpoint is written inside the step, while the trainer's state is resident (colocated handover)
-            rec = train_step(cfg, c, step, loss_fn, checkpoint=(lambda s=step: _save(cfg, c, root, s)) if due else None)
+            rec = train_step(cfg, c, step, loss_fn, checkpoint=checkpoint if due else None)
             empty = empty + 1 if rec["no_trainable_groups"] else 0
             nonfinite = nonfinite + 1 if rec["skipped"] and not rec["no_trainable_groups"] else 0
             if empty:
@@ -296,9 +308,13 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
                                       f"(grpo.max_empty_steps={cfg.grpo.max_empty_steps}): every group's rewards were "
                                       "all equal; the task is too hard or too easy for this policy, or the reward is "
                                       "broken; aborting")
-            if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items:
+            if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items and not save_failed:
                 rec.update(_validate(cfg, c, t_start))
             tracker.log(rec)
+            if save_failed:
+                raise save_failed[0]
+            # after logging, so an aborting step's record is kept: warns naming the step, or raises MismatchAbort
+            check_mismatch(rec, cfg.grpo, step)
         _summary(cfg, tracker, out)
         return 0
     finally:

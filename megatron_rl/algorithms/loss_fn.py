@@ -1,13 +1,23 @@
 """The GRPO loss as the trainer calls it: a small picklable callable shipped to the policy ranks."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 from megatron_rl.algorithms.loss import grpo_loss
 from megatron_rl.config.schema import LossConfig
 from megatron_rl.policy.loss_api import LossInputs
 
 
 class GRPOLossFn:
-    def __init__(self, cfg: LossConfig):
+    def __init__(self, cfg: LossConfig, max_response_len: Optional[int] = None):
+        """`max_response_len` (generation.max_new_tokens) fills cfg.normalizer_max_len when the constant normaliser
+        is on and the config left it unset; configs from the loader already carry it."""
+        if cfg.effective_normalizer() == "constant" and cfg.normalizer_max_len is None:
+            if max_response_len is None:
+                raise ValueError("grpo.loss.normalizer=constant needs grpo.loss.normalizer_max_len (the config loader "
+                                 "sets it to generation.max_new_tokens) or max_response_len")
+            cfg = dataclasses.replace(cfg, normalizer_max_len=int(max_response_len))
         self.cfg = cfg
 
     def __call__(self, inp: LossInputs):

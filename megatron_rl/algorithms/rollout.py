@@ -12,6 +12,7 @@ import torch
 from megatron_rl.algorithms.advantages import dynamic_sample, group_advantages
 from megatron_rl.config.schema import Config
 from megatron_rl.policy.interface import RolloutBatch
+from megatron_rl.rewards.shaping import overlong_penalty
 
 
 @dataclass
@@ -37,6 +38,11 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         t0 = time.perf_counter()
         rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
         totals["reward_s"] += time.perf_counter() - t0
+        if cfg.reward.overlong_buffer_len > 0:  # DAPO soft overlong punishment, before advantages see the rewards
+            pens = [overlong_penalty(len(t), g.max_new_tokens, cfg.reward.overlong_buffer_len,
+                                     cfg.reward.overlong_penalty) for t in res.token_ids]
+            rewards = [r + p for r, p in zip(rewards, pens)]
+            totals["num_overlong_penalized"] = totals.get("num_overlong_penalized", 0) + sum(p < 0 for p in pens)
         for k, v in rstats.items():
             if isinstance(v, (int, float)):
                 totals[k] = totals.get(k, 0) + v
@@ -46,7 +52,7 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         payloads = []
         for i, it in enumerate(items):
             idx = list(res.for_prompt(i))
-            payloads.append((it, [(res.token_ids[k], res.logprobs[k], texts[k]) for k in idx]))
+            payloads.append((it, [(res.token_ids[k], res.logprobs[k], texts[k], res.finish_reasons[k]) for k in idx]))
         return payloads, torch.tensor(rewards, dtype=torch.float32).view(len(items), G)
 
     groups = dynamic_sample(draw, cfg.grpo.num_prompts_per_step, cfg.grpo.advantage)
@@ -56,14 +62,19 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
 
 def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     """Advantages per group, then one sequence per sample (prompt + response). Empty responses are dropped: they have
-    no token to train and a zero-length sequence would divide by zero downstream."""
+    no token to train and a zero-length sequence would divide by zero downstream. With grpo.overlong_filter (DAPO),
+    truncated samples are dropped from the batch too, after the advantages: their rewards still shape the group's
+    baseline, but a cut-off reasoning chain is neither reinforced nor punished."""
     # no group kept (dynamic sampling dropped all): nothing to normalise
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
     ids, plens, advs, gen_lps, gids, texts = [], [], [], [], [], []
     for gi, (item, samples) in enumerate(groups.payloads):
-        for j, (tok, lps, text) in enumerate(samples):
+        for j, (tok, lps, text, finish) in enumerate(samples):
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
+                continue
+            if cfg.grpo.overlong_filter and finish == "length":
+                stats["num_overlong_filtered"] = stats.get("num_overlong_filtered", 0) + 1
                 continue
             ids.append(list(item.prompt_ids) + list(tok))
             plens.append(len(item.prompt_ids))

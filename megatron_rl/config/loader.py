@@ -225,11 +225,45 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
                           f"got {cfg.generation.temperature}")
     if g.loss.ratio_clip_c is not None and g.loss.ratio_clip_c <= 1.0:
         raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) must be > 1, got {g.loss.ratio_clip_c}")
+    _validate_algorithm(cfg)
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ConfigError("data.path is required when data.source is 'jsonl'")
     if check_model:
         validate_against_model(cfg)
     return cfg
+
+
+def _validate_algorithm(cfg: Config) -> None:
+    """Loss variants, mismatch corrections, overlong shaping and the mismatch guard; fills in the constant
+    normaliser's length (grpo.loss.normalizer_max_len: None means generation.max_new_tokens)."""
+    loss, g = cfg.grpo.loss, cfg.grpo
+    if loss.ratio_clip_c is not None and loss.variant != "grpo":
+        raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) applies to variant grpo only, not {loss.variant!r}")
+    nonneg = {"grpo.loss.gspo_clip_low": loss.gspo_clip_low, "grpo.loss.gspo_clip_high": loss.gspo_clip_high,
+              "grpo.loss.cispo_clip_low": loss.cispo_clip_low, "grpo.loss.cispo_clip_high": loss.cispo_clip_high,
+              "grpo.loss.importance_mask_low": loss.importance_mask_low,
+              "reward.overlong_buffer_len": cfg.reward.overlong_buffer_len,
+              "reward.overlong_penalty": cfg.reward.overlong_penalty}
+    for key, v in nonneg.items():
+        if v < 0:
+            raise ConfigError(f"{key} must be >= 0, got {v}")
+    if loss.kl_value_clamp is not None and loss.kl_value_clamp <= 0:
+        raise ConfigError(f"grpo.loss.kl_value_clamp must be > 0 (or null to turn it off), got {loss.kl_value_clamp}")
+    if loss.importance_mask_high <= loss.importance_mask_low:
+        raise ConfigError(f"grpo.loss.importance_mask_high ({loss.importance_mask_high}) must be > "
+                          f"grpo.loss.importance_mask_low ({loss.importance_mask_low})")
+    if loss.normalizer_max_len is not None and loss.normalizer_max_len < 1:
+        raise ConfigError(f"grpo.loss.normalizer_max_len must be >= 1, got {loss.normalizer_max_len}")
+    if loss.effective_normalizer() == "constant" and loss.normalizer_max_len is None:
+        loss.normalizer_max_len = cfg.generation.max_new_tokens
+    if cfg.reward.overlong_buffer_len > cfg.generation.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} is longer than "
+                          f"generation.max_new_tokens={cfg.generation.max_new_tokens}")
+    if g.mismatch_max_token_mult_prob_error <= 1.0:
+        raise ConfigError("grpo.mismatch_max_token_mult_prob_error must be > 1 (1.0 means identical), got "
+                          f"{g.mismatch_max_token_mult_prob_error}")
+    if g.mismatch_max_gen_kl_error <= 0:
+        raise ConfigError(f"grpo.mismatch_max_gen_kl_error must be > 0, got {g.mismatch_max_gen_kl_error}")
 
 
 def validate_against_model(cfg: Config) -> None:

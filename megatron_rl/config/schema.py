@@ -65,6 +65,7 @@ class PolicyConfig:
 class GenerationConfig:
     backend: Literal["vllm"] = "vllm"
     tp: int = 1
+    dp: Optional[int] = None  # engines; default: as many as fit the policy's devices (colocated), else 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -86,17 +87,44 @@ class LossConfig:
     ratio_clip_c: Optional[float] = None  # dual clip (>1), off when None
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_clamp: Optional[float] = 20.0
-    token_level: bool = True  # normalise by global valid tokens (True) or mean per sequence then over sequences
+    kl_clamp: Optional[float] = 20.0  # on the log-ratio before the estimator, so exp() cannot overflow
+    # on each token's KL value (k1: [-c, c], k2/k3: <= c): one token the reference finds absurd cannot dominate the
+    # loss (k3 reaches e^20 under kl_clamp alone). 10 as in NeMo-RL's DeepScaleR recipe and verl; None: off
+    kl_value_clamp: Optional[float] = 10.0
+    # grpo: PPO-clipped token ratio. gspo: sequence ratio exp(mean token log-ratio), clipped per sequence (Zheng et
+    # al. 2025). cispo: clipped stop-gradient IS weight times REINFORCE (MiniMax-M1)
+    variant: Literal["grpo", "gspo", "cispo"] = "grpo"
+    gspo_clip_low: float = 3e-4  # GSPO's sequence-ratio clip range [1 - low, 1 + high] (the paper's values)
+    gspo_clip_high: float = 4e-4
+    cispo_clip_low: float = 1.0  # CISPO's IS-weight range [1 - low, 1 + high]; 1.0: no lower bound, as in the paper
+    cispo_clip_high: float = 0.28
+    # tokens: sum over the step's valid tokens / their count. sequences: mean per sequence, then over sequences.
+    # constant (Dr. GRPO): sum / (normalizer_max_len * sequences). None: the variant's own (see effective_normalizer)
+    normalizer: Optional[Literal["tokens", "sequences", "constant"]] = None
+    # the constant normaliser's length; None: generation.max_new_tokens (the config loader fills it in)
+    normalizer_max_len: Optional[int] = None
     importance_correction: Literal["off", "token", "sequence"] = "off"  # truncated IS for generator/trainer mismatch
     importance_cap: float = 2.0
+    # masked IS (sequence) / icepop (token): zero weight where pi_old/pi_gen (token, or product over the sequence)
+    # is outside [importance_mask_low, importance_mask_high]; composes with importance_correction
+    importance_mask: Literal["off", "token", "sequence"] = "off"
+    importance_mask_low: float = 0.5
+    importance_mask_high: float = 2.0
     entropy_coef: float = 0.0
+
+    def effective_normalizer(self) -> str:
+        """`normalizer`, or when None the one the variant's paper uses: GSPO's objective is a mean over sequences;
+        GRPO here (DAPO's token-level mean) and CISPO normalise by tokens."""
+        return self.normalizer or {"gspo": "sequences"}.get(self.variant, "tokens")
 
 
 @dataclass
 class AdvantageConfig:
     baseline: Literal["mean", "leave_one_out"] = "leave_one_out"
     normalize_std: bool = True
+    # group: the group's sample std. leave_one_out: NeMo-RL's, the population std of the other G-1 rewards (a sample
+    # whose others all agree is not divided)
+    std_mode: Literal["group", "leave_one_out"] = "group"
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     refill: bool = False  # with dynamic sampling: draw more prompts until the batch is full
     max_refill_rounds: int = 3
@@ -112,6 +140,11 @@ class GRPOConfig:
     reuse_onpolicy_logprobs: bool = True
     max_nonfinite_steps: int = 3  # consecutive NaN/inf steps before aborting
     max_empty_steps: int = 5  # consecutive steps without a trainable group (all dropped) before aborting
+    overlong_filter: bool = False  # DAPO: truncated completions (finish reason "length") are left out of the loss
+    # NeMo-RL's CI gates on generator/trainer agreement, checked every step: warn (stderr), abort, or off
+    mismatch_guard: Literal["warn", "abort", "off"] = "warn"
+    mismatch_max_token_mult_prob_error: float = 1.05
+    mismatch_max_gen_kl_error: float = 5e-4
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     val_every: int = 0  # 0: no validation
@@ -146,6 +179,10 @@ class RewardConfig:
     timeout_s: float = 5.0
     num_workers: int = 2
     worker_memory_mb: int = 2048  # RLIMIT_AS per verifier worker: a runaway sympy expansion fails there, not the host
+    # DAPO soft overlong punishment: a penalty ramping from 0 to -overlong_penalty over the last overlong_buffer_len
+    # tokens before generation.max_new_tokens, added to the reward. 0: off
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass

@@ -1,7 +1,11 @@
-"""Answer extraction from a completion: <answer> tags, \\boxed{...} (nested braces), "the answer is X", last number.
+"""Answer extraction from a completion: <answer> tags, \\boxed{...} (nested braces), "the answer is X", free text.
 
 Pure string work, linear-time patterns only. It still runs inside the verifier workers (never in the trainer), with
 everything else that touches model output, so even a pathological string can only cost a worker its timeout.
+
+Free text (no tag, no box, no "answer is") is where false credit hides: the last number of `$x = \\frac{1}{3}$` is
+3, that of `$\\sqrt{2}$` is 2. Math answers in free text are read by math-verify's own LaTeX-aware extraction
+(`worker.py`); the bare last number here is only a fallback for text without any LaTeX markup.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ _BOX_CMDS = ("\\boxed", "\\fbox")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*([^\n]*)", re.IGNORECASE)
 _NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 _MAX_ANSWER_CHARS = 1000  # answers longer than this are not answers; also bounds what reaches sympy
+# math markup whose digits must not be read as a bare number: a backslash command or delimiter, $, braces
+_LATEX_RE = re.compile(r"\\[A-Za-z(\[{]|[${}]")
 
 
 def _clean(ans: str) -> Optional[str]:
@@ -88,29 +94,46 @@ def extract_answer_is(text: str) -> Optional[str]:
     return extract_boxed(rest) or _clean(rest)
 
 
+def has_latex(text: str) -> bool:
+    """True if the text holds LaTeX markup (\\frac, \\(, $, {, ...): then a bare number in it may be part of a
+    larger expression (the 3 of \\frac{1}{3}, the 2 of 2^{10}) and is never taken as the answer on its own."""
+    return _LATEX_RE.search(text) is not None
+
+
 def extract_last_number(text: str) -> Optional[str]:
     """The last integer/decimal/simple fraction in the text, thousands separators removed."""
     matches = _NUMBER_RE.findall(text)
     return matches[-1].replace(",", "") if matches else None
 
 
+def extract_answer_with_source(text: str, answer_format: str) -> tuple[Optional[str], Optional[str]]:
+    """(answer, where it came from): "tag", "boxed", "answer_is", or "free" (auto format, none of those found: the
+    last number, or None when the text has LaTeX in it), or (None, None) when the format found nothing.
+
+    "free" tells the math verifier to read the whole text with math-verify's LaTeX-aware extraction first.
+    """
+    if answer_format == "answer_tag":
+        ans = extract_answer_tag(text)
+        return ans, ("tag" if ans is not None else None)
+    if answer_format == "boxed":
+        ans = extract_boxed(text)
+        return ans, ("boxed" if ans is not None else None)
+    if answer_format == "auto":
+        for source, fn in (("tag", extract_answer_tag), ("boxed", extract_boxed), ("answer_is", extract_answer_is)):
+            ans = fn(text)
+            if ans is not None:
+                return ans, source
+        return (None if has_latex(text) else extract_last_number(text)), "free"
+    raise ValueError(f"unknown answer_format {answer_format!r} (expected answer_tag, boxed or auto)")
+
+
 def extract_answer(text: str, answer_format: str) -> Optional[str]:
     """The model's final answer per RewardConfig.answer_format, or None when it gave none in that form.
 
     answer_tag: <answer>..</answer> only. boxed: \\boxed{..} only. auto: the first that finds something of
-    tags, boxed, "answer is X", last number.
+    tags, boxed, "answer is X", and the last number — that last one only in text without LaTeX markup.
     """
-    if answer_format == "answer_tag":
-        return extract_answer_tag(text)
-    if answer_format == "boxed":
-        return extract_boxed(text)
-    if answer_format == "auto":
-        for fn in (extract_answer_tag, extract_boxed, extract_answer_is, extract_last_number):
-            ans = fn(text)
-            if ans is not None:
-                return ans
-        return None
-    raise ValueError(f"unknown answer_format {answer_format!r} (expected answer_tag, boxed or auto)")
+    return extract_answer_with_source(text, answer_format)[0]
 
 
 def is_well_formed(text: str, answer_format: str) -> bool:

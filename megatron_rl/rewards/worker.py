@@ -2,7 +2,8 @@
 
 math-verify (sympy) and reasoning-gym scorers see model output here. The trainer only imports this module to name
 these functions for pickling: the heavy imports happen inside the functions (and in `_preload`, which only the
-worker's forkserver imports), so the trainer's process never loads sympy or parses a completion.
+worker's forkserver imports), so the trainer's process never loads sympy or parses a completion. Math answers are
+checked by `math_answer` (same rule: math-verify is imported inside its functions).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.rewards.extract import extract_answer, is_well_formed
+from megatron_rl.rewards.math_answer import math_equal, score_math  # noqa: F401 - math_equal: the public name
 
 
 class SoftTimeout(BaseException):
@@ -117,43 +119,23 @@ def _rg_dataset(task: str, params: dict[str, Any]):
     return ds
 
 
-def _math_parse(expr: str) -> list:
-    from math_verify import parse
-
-    # as the content of \boxed{} math-verify reads LaTeX and plain expressions alike ("0.5", "\dfrac{1}{2}",
-    # "x = 3"); a bare string is the fallback for forms the boxed reading rejects
-    parsed = parse("\\boxed{" + expr + "}", parsing_timeout=None)
-    return parsed or parse(expr, parsing_timeout=None)
-
-
-def math_equal(gold: str, pred: str) -> bool:
-    """Equivalence of two answers via math-verify (0.5 == \\frac{1}{2}, 1,000 == 1000, x = 3 == 3)."""
-    from math_verify import verify
-
-    if gold.strip() == pred.strip():
-        return True
-    g, p = _math_parse(gold.strip()), _math_parse(pred)
-    if not g or not p:
-        return False
-    return bool(verify(g, p, timeout_seconds=None))
-
-
 def score_sample(payload: dict[str, Any]) -> dict[str, Any]:
     """Score one completion. payload: kind ("math" | "reasoning_gym"), completion, answer (gold), answer_format,
     and for reasoning-gym task, task_params, entry. Returns score in [0, 1], format_ok, the extracted answer."""
     completion: str = payload["completion"]
     fmt = payload["answer_format"]
     format_ok = is_well_formed(completion, fmt)
-    pred: Optional[str] = extract_answer(completion, fmt)
     score = 0.0
-    if pred is not None:
-        if payload["kind"] == "reasoning_gym":
+    if payload["kind"] == "math":
+        score, answer = score_math(payload["answer"], completion, fmt)
+    elif payload["kind"] == "reasoning_gym":
+        pred: Optional[str] = extract_answer(completion, fmt)
+        answer = None if pred is None else pred[:200]
+        if pred is not None:
             ds = _rg_dataset(payload["task"], payload["task_params"])
             score = float(ds.score_answer(pred, payload["entry"]))
-        elif payload["kind"] == "math":
-            score = 1.0 if math_equal(payload["answer"], pred) else 0.0
-        else:
-            raise ValueError(f"unknown reward kind {payload['kind']!r}")
+    else:
+        raise ValueError(f"unknown reward kind {payload['kind']!r}")
     if not 0.0 <= score <= 1.0:  # NaN fails this too; a scorer outside its contract is an error, not a reward
         raise ValueError("score out of [0, 1]")
-    return {"score": score, "format_ok": format_ok, "answer": None if pred is None else pred[:200]}
+    return {"score": score, "format_ok": format_ok, "answer": answer}

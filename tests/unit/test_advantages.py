@@ -108,3 +108,45 @@ def test_refill_stops_after_max_rounds():
     out = dynamic_sample(d, 4, cfg(dynamic_sampling=True, refill=True, max_refill_rounds=2))
     assert out.rounds == 3 and len(d.asked) == 3 and out.payloads == []
     assert out.rewards.shape == (0, 2)
+
+
+def _loo_reference(rows, baseline, eps):
+    """NeMo-RL's convention written out per sample: baseline and population std over the other G-1 rewards; a
+    sample whose others all agree (std 0) is not divided."""
+    out = []
+    for row in rows:
+        adv_row = []
+        for i, ri in enumerate(row):
+            others = [r for j, r in enumerate(row) if j != i]
+            m = sum(others) / len(others)
+            # others all equal: exactly 0 (their float mean may differ from them by a rounding error, and 1e-17
+            # + eps would then blow the advantage up to 1e5)
+            std = 0.0 if len(set(others)) == 1 else math.sqrt(sum((r - m) ** 2 for r in others) / len(others))
+            base = m if baseline == "leave_one_out" else sum(row) / len(row)
+            a = ri - base
+            adv_row.append(a / (std + eps) if std > 0 else a)
+        out.append(adv_row if max(row) != min(row) else [0.0] * len(row))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("baseline", ["leave_one_out", "mean"])
+def test_leave_one_out_std_matches_reference(baseline):
+    rows = [[1.0, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.7], [0.3, 0.9, 0.2, 0.5], [1.0, 1.0, 1.0, 1.0],
+            [0.0, 1.0, 0.0, 1.0]]
+    adv, _ = group_advantages(torch.tensor(rows, dtype=torch.float64),
+                              cfg(baseline=baseline, normalize_std=True, std_mode="leave_one_out", std_eps=1e-6))
+    torch.testing.assert_close(adv, _loo_reference(rows, baseline, 1e-6))
+    # the lone success of row 0: its others are all 0 (std exactly 0), so it stays 1, never 1 / 1e-6
+    assert adv[0, 0] == (1.0 if baseline == "leave_one_out" else 0.75) and adv.abs().max() < 10
+
+
+def test_leave_one_out_std_group_of_two_is_not_divided():
+    adv, _ = group_advantages(torch.tensor([[1.0, 0.0]]), cfg(baseline="leave_one_out", std_mode="leave_one_out"))
+    torch.testing.assert_close(adv, torch.tensor([[1.0, -1.0]]))
+
+
+def test_std_mode_group_is_the_default():
+    r = torch.rand(3, 6, generator=torch.Generator().manual_seed(1))
+    a, _ = group_advantages(r, cfg())
+    b, _ = group_advantages(r, cfg(std_mode="group"))
+    assert AdvantageConfig().std_mode == "group" and torch.equal(a, b)

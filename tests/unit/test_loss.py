@@ -63,11 +63,14 @@ def reference_loss(b, cfg):
             if cfg.kl_clamp is not None:
                 x = torch.clamp(x, -cfg.kl_clamp, cfg.kl_clamp)
             kl = {"k1": -x, "k2": x ** 2 / 2, "k3": torch.exp(x) - x - 1}[cfg.kl_estimator]
+            c = cfg.kl_value_clamp
+            if c is not None and (kl > c or (cfg.kl_estimator == "k1" and kl < -c)):
+                kl = kl.detach().clamp(-c, c)  # a clamped token's KL is a constant: no gradient
             term = term + cfg.kl_coef * w * kl
         if cfg.entropy_coef:
             term = term - cfg.entropy_coef * b["entropy"][t]
         per_tok[t] = term
-    if cfg.token_level:
+    if cfg.effective_normalizer() == "tokens":
         return sum(per_tok.values()) / len(per_tok)
     total = 0.0
     for s, toks in seq_tokens.items():
@@ -85,11 +88,14 @@ VARIANTS = {
     "kl_k3": dict(kl_coef=0.1, kl_estimator="k3"),
     "kl_k3_clamped": dict(kl_coef=0.1, kl_estimator="k3", kl_clamp=0.5),
     "kl_unclamped": dict(kl_coef=0.1, kl_clamp=None),
-    "sequence_level": dict(token_level=False),
+    "kl_k3_value_clamped": dict(kl_coef=0.1, kl_estimator="k3", kl_value_clamp=1.0),
+    "kl_k1_value_clamped": dict(kl_coef=0.1, kl_estimator="k1", kl_value_clamp=0.5),
+    "kl_k2_value_unclamped": dict(kl_coef=0.1, kl_estimator="k2", kl_value_clamp=None),
+    "sequence_level": dict(normalizer="sequences"),
     "is_token": dict(importance_correction="token", importance_cap=1.5),
     "is_sequence": dict(importance_correction="sequence", importance_cap=3.0),
     "entropy": dict(entropy_coef=0.01),
-    "everything": dict(ratio_clip_c=2.0, ratio_clip_high=0.28, kl_coef=0.05, token_level=False,
+    "everything": dict(ratio_clip_c=2.0, ratio_clip_high=0.28, kl_coef=0.05, normalizer="sequences",
                        importance_correction="sequence", entropy_coef=0.02),
 }
 
@@ -182,7 +188,7 @@ def test_metrics_values():
 def test_option_errors():
     b = make_batch()
     with pytest.raises(ValueError, match="seq_ids"):
-        grpo_loss(b["logprobs"], b["old_logprobs"], b["advantages"], b["mask"], cfg=LossConfig(token_level=False),
+        grpo_loss(b["logprobs"], b["old_logprobs"], b["advantages"], b["mask"], cfg=LossConfig(normalizer="sequences"),
                   num_global_tokens=10.0)
     with pytest.raises(ValueError, match="gen_logprobs"):
         grpo_loss(b["logprobs"], b["old_logprobs"], b["advantages"], b["mask"],

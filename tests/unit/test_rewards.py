@@ -16,6 +16,7 @@ from megatron_rl.rewards import (
     RewardFn, extract_answer, extract_answer_is, extract_answer_tag, extract_boxed, extract_last_number,
     is_well_formed, resolve_kind,
 )
+from megatron_rl.rewards.extract import extract_answer_with_source, has_latex
 from megatron_rl.rewards import worker
 
 TIMEOUT = 1.0
@@ -80,6 +81,21 @@ def test_extract_answer_respects_answer_format():
     assert extract_answer("nothing here", "auto") is None
 
 
+def test_free_text_last_number_only_without_latex():
+    # the false-credit cases: the last number of LaTeX is a piece of an expression, never an answer on its own
+    for text in ["so $x = \\frac{1}{3}$", "$\\sqrt{2}$", "The result is 2^{10}", "so x = 2\\sqrt{2}", "3\\pi",
+                 "so {3", "\\boxed{3", "a \\(x = 5\\) b"]:
+        assert has_latex(text), text
+        assert extract_answer_with_source(text, "auto") == (None, "free"), text
+    for text, num in [("I got 5 then 9", "9"), ("x^2 is 4", "4"), ("total: 1,000 apples", "1000")]:
+        assert not has_latex(text)
+        assert extract_answer_with_source(text, "auto") == (num, "free")
+    assert extract_answer_with_source("<answer>2</answer> $x$", "auto") == ("2", "tag")
+    assert extract_answer_with_source("so \\boxed{2} and $y$", "auto") == ("2", "boxed")
+    assert extract_answer_with_source("The answer is $3$.", "auto") == ("3", "answer_is")
+    assert extract_answer_with_source("I got 5", "boxed") == (None, None)
+
+
 def test_well_formed():
     assert is_well_formed("<answer>3</answer>", "answer_tag")
     assert not is_well_formed("<answer>3</answer><answer>4</answer>", "answer_tag")
@@ -125,11 +141,13 @@ def test_math_verify_equivalence(math_reward):
 
 def test_pathological_math_times_out_and_is_counted(math_reward):
     t0 = time.monotonic()
-    rewards, stats = math_reward.score([item("3"), item("3"), item("3")],
-                                       ["<answer>9^{9^{9^{9}}}</answer>", "<answer>9**9**9**9</answer>",
-                                        "<answer>3</answer>"])
+    rewards, stats = math_reward.score([item("3")] * 4,
+                                       ["<answer>\\prod_{n=1}^{10^{7}} n</answer>", "<answer>9^{9^{9^{9}}}</answer>",
+                                        "<answer>9**9**9**9</answer>", "<answer>3</answer>"])
     assert time.monotonic() - t0 < TIMEOUT + SLACK
-    assert rewards == pytest.approx([0.0, 0.1, 1.1])
+    # the product grinds in sympy until the timeout; the power tower is refused by its size at once (wrong, but
+    # well-formed: the format bonus only)
+    assert rewards == pytest.approx([0.0, 0.1, 0.1, 1.1])
     assert stats["num_timeouts"] == 1
 
 
@@ -146,6 +164,67 @@ def test_hang_in_c_is_killed_and_does_not_block_later_batches(math_reward):
     rewards, stats = math_reward.score([item("5")] * 3, ["<answer>5</answer>"] * 3)
     assert rewards == pytest.approx([1.1] * 3) and stats["num_pool_restarts"] == 0
     assert time.monotonic() - t0 < 2 * TIMEOUT
+
+
+# (gold, completion, score): free text (no tag, box or "answer is") unless noted; the auto format of JSONL math data
+ADVERSARIAL = [
+    # fractions, roots, powers: the last bare number is part of a larger expression
+    ("3", "so $x = \\frac{1}{3}$", 0.0), ("1/3", "so $x = \\frac{1}{3}$", 1.0),
+    ("\\frac{1}{3}", "so $x = \\frac{1}{3}$", 1.0), ("3", "so x = 1/3", 0.0), ("1/3", "so x = 1/3", 1.0),
+    ("2", "$\\sqrt{2}$", 0.0), ("\\sqrt{2}", "so it is $\\sqrt{2}$.", 1.0), ("2", "so x = 2\\sqrt{2}", 0.0),
+    ("2\\sqrt{2}", "so $x = 2\\sqrt{2}$", 1.0), ("2", "The result is 2^{10}", 0.0),
+    ("1024", "The result is $2^{10}$", 1.0), ("3", "$3^2$", 0.0), ("9", "$3^2$", 1.0), ("3", "$3\\pi$", 0.0),
+    ("3", "3\\pi", 0.0), ("-3", "so $x=-3$", 1.0), ("3", "so $x=-3$", 0.0),
+    # units
+    ("3", "The length is $30\\,\\text{cm}$", 0.0), ("5", "The distance is $5\\text{ km}$", 1.0),
+    ("5", "The distance is 5 km", 1.0),
+    # several numbers: the final one counts
+    ("3", "Maybe 3, maybe 5, I'd say 7", 0.0), ("7", "Maybe 3, maybe 5, I'd say 7", 1.0),
+    # a box in the middle is the declared answer, whatever follows (boxed: well-formed, no bonus here)
+    ("5", "First \\boxed{3}, then I changed my mind: 5", 0.0),
+    ("3", "First \\boxed{3}, then I changed my mind: 5", 1.0),
+    # unclosed braces
+    ("3", "\\boxed{\\frac{1}{3}", 0.0), ("3", "\\boxed{3", 0.0), ("3", "so {3", 0.0),
+    # huge exponents: refused by size at once, no hang, no memory blow-up
+    ("3", "$10^{10^{10}}$", 0.0), ("3", "\\boxed{10^{10^{10}}}", 0.0), ("3", "so 10^10^10", 0.0),
+    ("3", "$9^{9^{9^{9}}}$ and 3", 0.0), ("3", "$(10^{10})!$", 0.0),
+]
+
+
+@pytest.fixture(scope="module")
+def patient_math_reward():
+    # a generous timeout: on a loaded 2-core machine a first sympy comparison can take a second, and a right answer
+    # lost to a timeout would hide a false negative
+    rf = RewardFn(RewardConfig(kind="math", answer_format="auto", timeout_s=20.0), "jsonl")
+    yield rf
+    rf.close()
+
+
+def test_adversarial_completions_score_only_when_right(patient_math_reward):
+    t0 = time.monotonic()
+    rewards, stats = patient_math_reward.score([item(g) for g, _, _ in ADVERSARIAL], [c for _, c, _ in ADVERSARIAL])
+    got = {(g, c): r for (g, c, _), r in zip(ADVERSARIAL, rewards)}
+    assert got == {(g, c): s for g, c, s in ADVERSARIAL}
+    assert stats["num_timeouts"] == stats["num_errors"] == 0  # the huge ones were refused, not timed out
+    assert time.monotonic() - t0 < 30
+    assert stats["answers"][0] == "x = \\frac{1}{3}"  # what math-verify read, for the logged samples
+    assert "math_verify" not in sys.modules
+
+
+def test_size_guard_sizes_without_computing():
+    import sympy
+
+    from megatron_rl.rewards.math_answer import too_large
+
+    def P(b, e):
+        return sympy.Pow(b, e, evaluate=False)
+
+    x = sympy.Symbol("x")
+    assert not too_large([sympy.Integer(2) ** 100, sympy.Rational(1, 3), P(2, 1000), P(x, 10 ** 50), "a string"])
+    assert not too_large([sympy.factorial(sympy.Integer(100), evaluate=False), sympy.Float(1e-300)])
+    assert too_large([P(10, P(10, 10))]) and too_large([P(9, P(9, P(9, 9)))]) and too_large([P(2, 40_000)])
+    assert too_large([P(x, P(10, P(10, 10)))]) and too_large([sympy.factorial(P(10, 10), evaluate=False)])
+    assert too_large([sympy.Integer(3), 3 * P(10, 10 ** 6)])  # any candidate too large: the answer is refused
 
 
 def test_raising_dying_and_invalid_verifiers_score_zero_and_are_counted(math_reward):
