@@ -378,7 +378,8 @@ def _receiver(handle_dict: dict, samples: list[str], q) -> None:
     """Second process (the generator's side): open the buckets, copy them into fresh tensors as an engine's weight
     load would, checksum what arrived. Results travel pickled (tensor data copied, no fd sharing)."""
     try:
-        from megatron_rl.weights.transport import RefitHandle, open_buckets
+        from megatron_rl.weights.manifest import RefitHandle
+        from megatron_rl.weights.transport import open_buckets
 
         plat = _plat()
         dev = plat.device(0)

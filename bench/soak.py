@@ -132,7 +132,7 @@ def _child(steps, ckpt_every, warmup, window, out: Path, model) -> dict:
         c = build(cfg, out / "run")
     finally:
         rf.RewardFn = real_reward
-    pids = {"driver": [os.getpid()], "policy": list(c.policy.group.pids), "generator": [c.generator.pid()]}
+    pids = {"driver": [os.getpid()], "policy": list(c.policy.group.pids), "generator": c.generator.pids()}
     names = [(role, i, pid) for role, ps in pids.items() for i, pid in enumerate(ps)]
     print(f"[soak] built in {time.perf_counter() - t_build:.1f}s; pids {pids}", flush=True)
     loss_fn = GRPOLossFn(cfg.grpo.loss)

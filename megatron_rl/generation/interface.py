@@ -51,7 +51,7 @@ class Generator(ABC):
     """A rollout engine holding one versioned copy of the policy's weights.
 
     Weight updates are all-or-nothing: an update whose tensor set or bytes do not check out raises
-    `megatron_rl.weights.transport.RefitError` and leaves the previous weights and `weight_version` in place.
+    `megatron_rl.weights.manifest.RefitError` and leaves the previous weights and `weight_version` in place.
     """
 
     @abstractmethod
@@ -71,7 +71,7 @@ class Generator(ABC):
     @abstractmethod
     def receive_weights(self, handle, expected_names: set[str] | None = None) -> dict:
         """Apply an update already shipped by a sender in another process (a `RefitHandle` or its dict form),
-        e.g. from a policy actor that called `megatron_rl.weights.transport.send(...)`."""
+        e.g. from a policy actor whose sender (`megatron_rl.weights.transport.make_sender`) wrote it."""
 
     @property
     @abstractmethod

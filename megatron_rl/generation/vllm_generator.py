@@ -28,7 +28,9 @@ from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationResult, Generator, StaleWeightsError
 from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
 from megatron_rl.platform import get_platform
-from megatron_rl.weights.transport import RefitError, RefitHandle, make_sender, validate_manifest
+from megatron_rl.weights.manifest import RefitError, RefitHandle, validate_manifest
+from megatron_rl.weights.collective import TRANSPORT as COLLECTIVE
+from megatron_rl.weights.transport import make_sender
 
 # torch's own setter, captured before vLLM's CPU worker replaces `torch.set_num_threads` with a no-op (it assumes
 # OpenMP threads were pinned, which only its multiprocess mode does)
@@ -190,7 +192,12 @@ class VLLMGenerator(Generator):
             set(self._ckpt_shapes) if self._ckpt_shapes is not None else None)
         # names, duplicates, shapes, layout: everything checkable without touching the bytes, before the engine
         # is asked to do anything
-        validate_manifest(handle, names, self._ckpt_shapes, self._optional_names)
+        try:
+            validate_manifest(handle, names, self._ckpt_shapes, self._optional_names)
+        except RefitError:
+            if handle.transport == COLLECTIVE:  # the exporters are broadcasting: take the bytes, then refuse
+                self._llm.collective_rpc("mrl_drain_refit", args=(handle.to_dict(),))
+            raise
         try:
             # CPU: on the process's own thread count (not generation.threads): a refit is large copies and GEMM
             # re-packs, which scale with threads, unlike decoding; in the colocated loop the trainer waits meanwhile
@@ -211,9 +218,10 @@ class VLLMGenerator(Generator):
         stats.update(receive_s=time.perf_counter() - t0)
         return stats
 
-    def init_refit_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Disaggregated GPU refit: join the NCCL group of `weights.transport.NcclSender` (call on both sides)."""
-        self._llm.collective_rpc("mrl_init_nccl_group", args=(host, port, rank_offset, world_size))
+    def join_refit_groups(self, endpoints: list[dict], rank_offset: int, world_size: int) -> None:
+        """Disaggregated refit: every worker of this engine joins each pipeline stage's broadcast group
+        (`weights/collective.py`); blocks until the exporting ranks and the other engines have joined too."""
+        self._llm.collective_rpc("mrl_join_refit_groups", args=(endpoints, rank_offset, world_size))
 
     def _generation_threads(self):
         """CPU: generation.threads while the engine works, else 1 like vLLM's own serving default (multi-threaded

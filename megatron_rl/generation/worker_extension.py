@@ -13,7 +13,8 @@ import time
 import torch
 
 from megatron_rl.platform import get_platform
-from megatron_rl.weights.transport import RefitError, RefitHandle, open_buckets, verify_after_load
+from megatron_rl.weights.manifest import RefitError, RefitHandle
+from megatron_rl.weights.transport import open_buckets, verify_after_load
 
 
 def _install_untruncated_logprobs(sampler) -> bool:
@@ -54,11 +55,20 @@ class RefitWorkerExtension:
             "device": str(getattr(self, "device", "cpu")),
         }
 
-    def mrl_init_nccl_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the disaggregated refit group as rank `rank_offset + worker rank` (the sender is rank 0)."""
-        from megatron_rl.weights.transport import NcclReceiver
+    def mrl_join_refit_groups(self, endpoints: list[dict], rank_offset: int, world_size: int) -> None:
+        """Disaggregated refit: join every pipeline stage's group as rank `rank_offset + worker rank` (the stage's
+        exporting rank is rank 0), in stage order."""
+        from megatron_rl.weights.collective import CollectiveReceiver, open_group
 
-        self._mrl_nccl = NcclReceiver(host, port, rank_offset + int(self.rank), world_size, self.device)
+        rank = rank_offset + int(self.rank)
+        groups = [open_group(ep["host"], ep["port"], rank, world_size) for ep in endpoints]
+        self._mrl_receiver = CollectiveReceiver(groups, torch.device(self.device))
+
+    def mrl_drain_refit(self, handle: dict) -> None:
+        """Receive a refused collective update and drop it, so the exporters' broadcast completes."""
+        receiver = getattr(self, "_mrl_receiver", None)
+        if receiver is not None:
+            receiver.receive(RefitHandle.from_dict(handle))
 
     def mrl_apply_refit(self, handle: dict) -> dict:
         """Validate the update's bytes, then load it: on CPU into the packed layers through `ResidentCpuReloader`,
@@ -72,7 +82,7 @@ class RefitWorkerExtension:
         handle = RefitHandle.from_dict(handle)
         t0 = time.perf_counter()
         try:
-            buckets = open_buckets(handle, torch.device(self.device), getattr(self, "_mrl_nccl", None))
+            buckets = open_buckets(handle, torch.device(self.device), getattr(self, "_mrl_receiver", None))
         except RefitError as e:
             return {"refused": str(e)}
         t1 = time.perf_counter()

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl.distributed.worker_group import WorkerGroup
 from megatron_rl.policy.interface import LossFn, RolloutBatch, TrainResult
-from megatron_rl.weights.transport import RefitHandle
+from megatron_rl.weights.manifest import RefitHandle
 
 
 def _merge(per_rank: list[dict | None], n: int, what: str) -> list:
@@ -52,6 +52,16 @@ class PolicyGroup:
         handles = [RefitHandle.from_dict(h) for h in self.group.call("send_weights", version, transport, bucket_bytes)
                    if h]
         return RefitHandle(handles[0].transport, version, [b for h in handles for b in h.buckets])
+
+    def refit_endpoints(self, host: str | None) -> list[dict]:
+        """One meeting point per pipeline stage for the collective refit groups, in stage order."""
+        return sorted((e for e in self.group.call("refit_endpoint", host) if e), key=lambda e: e["stage"])
+
+    def join_refit_group(self, endpoints: list[dict], world_size: int) -> None:
+        self.group.call("join_refit_group", endpoints, world_size)
+
+    def broadcast_refit(self) -> None:
+        self.group.call("broadcast_refit")
 
     def save(self, path: str, extra: dict | None = None) -> None:
         self.group.call("save", path, extra)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.microbatch import plan
 from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
+from megatron_rl.policy.weights_out import WeightsOut
 
 
 # Optimizer-state layout in checkpoints. megatron 0.16 with torch's AdamW (no apex/TE) cannot round-trip its default
@@ -44,7 +45,7 @@ _OPT_CKPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 
-class MegatronPolicyWorker(RankWorker):
+class MegatronPolicyWorker(WeightsOut, RankWorker):
     def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
                  env: dict | None = None, policy_cfg: PolicyConfig | None = None, max_steps: int = 1):
         super().__init__(rank, world_size, log_path, threads, env)
@@ -308,72 +309,12 @@ class MegatronPolicyWorker(RankWorker):
         self.step += 1
         return False, norm
 
-    # --------------------------------------------------------------------------------------- weights out / io
-    def export_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None
-                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full tensors of this rank's pipeline stage, in buckets (collective over the TP group)."""
-        from megatron_rl.models.mapping import iter_hf_tensors
-
-        self._require_resident("export weights")
-        bucket, size = [], 0
-        # tensors stay on the device: the transport decides where bytes go (CUDA IPC shares device buffers, shared
-        # memory copies to host); a host round trip here would cost two copies of the model per refit on GPU
-        for name, t in iter_hf_tensors(self.gpt, self.spec, dtype=dtype):
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-
-    def send_weights(self, version: int, transport: str, bucket_bytes: int = 256 << 20) -> dict | None:
-        """Export through a refit transport; the TP-rank-0, DP-rank-0 rank of each stage returns its handle."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_rl.weights.transport import make_sender
-
-        buckets = self.export_weights(bucket_bytes)  # collective over TP: every TP rank must iterate it
-        if ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0:
-            sender = getattr(self, "_refit_sender", None)
-            if sender is None or getattr(self, "_refit_transport", None) != transport:
-                if sender is not None:
-                    sender.close()
-                # kept for the worker's life: the shared-memory arena is rewritten in place by every refit
-                sender, self._refit_transport = make_sender(transport), transport
-                self._refit_sender = sender
-            sender.release()  # normally done already by release_refit(); a no-op then
-            return sender.send(buckets, version).to_dict()
-        for _ in buckets:
-            pass
-        return None
-
-    def release_refit(self) -> None:
-        """The generator has loaded the last update: free what the transport kept for it (CUDA IPC: the flat device
-        copy of the whole model, which must not stay allocated through generation)."""
-        sender = getattr(self, "_refit_sender", None)
-        if sender is not None:
-            sender.release()
-
-    def close_refit(self) -> None:
-        """Free the refit transport's resources (the shared-memory arena's files) before the worker is killed."""
-        sender, self._refit_sender = getattr(self, "_refit_sender", None), None
-        if sender is not None:
-            sender.close()
-
     def set_threads(self, n: int) -> None:
         from megatron_rl.platform import set_cpu_threads
 
         set_cpu_threads(n)
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""
-        from megatron.core import parallel_state as ps
-
-        tensors = {n: t.cpu() for bucket in self.export_weights() for n, t in bucket}
-        keep = ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
-        return tensors if keep else None
-
+    # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, path: str, extra: dict | None = None) -> str:
         from megatron_rl.models.checkpoint import save_checkpoint
 

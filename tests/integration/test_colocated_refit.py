@@ -72,13 +72,23 @@ def test_refit_after_training_serves_trained_weights(parts):
     assert moved > 1e-4  # training changed the weights, so equality below is about the refit, not the start
 
     prompts = [c.tokenizer.encode(t) for t in ("12 + 5 =", "The answer is", "Once upon a time")]
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
     res = c.generator.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=12,
                                expected_version=3)
-    for p, got in zip(prompts, res.token_ids):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+    for got, ref in zip(res.token_ids, refs):
         assert got == ref[:len(got)] and len(got) >= 1
+    # two engines (generation.dp defaults to the 2 devices): each got every refit, so each one alone serves the
+    # trained weights on every prompt
+    assert len(c.generator.engines) == 2
+    for engine in c.generator.engines:
+        alone = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=12,
+                                expected_version=3)
+        for got, ref in zip(alone.token_ids, refs):
+            assert got == ref[:len(got)] and len(got) >= 1, engine.name
 
 
 def test_killed_policy_rank_fails_fast_and_named(parts):

@@ -157,7 +157,7 @@ def test_kill_generator_mid_generate_fails_fast_named_and_rerun_resumes(chain):
                                     when=lambda: checkpoint_done(chain.root, resume_from + 1))
         t_kill = time.monotonic()
         assert victim.kill()
-        elapsed = _assert_clean_failure(run, t_kill, "generator died", shm_before)
+        elapsed = _assert_clean_failure(run, t_kill, "generator-0 died", shm_before)
         print(f"generator killed inside generate: driver exited {elapsed:.1f}s later")
         _resumed_line(run, chain.root, resume_from)  # the re-run after the policy kill resumed from its checkpoint
     finally:

@@ -12,8 +12,9 @@ import torch
 
 from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation import StaleWeightsError, VLLMGenerator
-from megatron_rl.weights.transport import (SHM_DIR, SHM_PREFIX, RefitError, RefitHandle, SharedMemorySender,
-                                          map_shared_memory, verify_shared_memory_unchanged)
+from megatron_rl.weights.manifest import RefitError, RefitHandle
+from megatron_rl.weights.shared_memory import (SHM_DIR, SHM_PREFIX, SharedMemorySender, map_shared_memory,
+                                               verify_shared_memory_unchanged)
 
 PROMPTS = [[1, 504, 3224, 314, 253], [28, 10966, 2099, 30, 441, 284, 16], [9109, 42, 7]]
 T = 0.7
@@ -281,7 +282,7 @@ def test_orphaned_arena_files_are_swept(tmp_path):
     """A writer killed with SIGKILL leaves its arena behind; the next sender removes files of dead writers only."""
     import subprocess
 
-    from megatron_rl.weights.transport import remove_orphaned_files
+    from megatron_rl.weights.shared_memory import remove_orphaned_files
 
     dead = subprocess.Popen(["true"])
     dead.wait()

