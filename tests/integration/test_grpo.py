@@ -56,6 +56,7 @@ def test_metrics_contract_and_outputs(full_run):
         assert x["num_tokens"] > 0 and x["time_step_s"] > 0
         # the generator's logprobs and the trainer's agree closely after every refit (same weights, fp32)
         assert 1.0 <= x["token_mult_prob_error"] < 1.01, x["token_mult_prob_error"]
+        assert x["gen_kl_error"] < 5e-4  # NeMo-RL's CI gate (grpo.mismatch_guard checks it at run time)
     assert {"val_accuracy", "val_pass_at_k"} <= set(recs[0]) and recs[0]["step"] == 0  # baseline before training
     assert "val_accuracy" in steps[1]  # val_every=2
     assert (out / "metrics.png").stat().st_size > 10_000
