@@ -1,7 +1,9 @@
 """Refit and generation speed of the vLLM generator on SmolLM2-135M, each next to its baseline in the same run.
 
 Refit: export buckets (HF names, full fp32 tensors) -> shared memory -> validated engine reload, next to a plain
-memcpy of the same bytes (into warm, already-touched buffers, and into freshly allocated ones).
+memcpy of the same bytes (into warm, already-touched buffers, and into freshly allocated ones); then the collective
+transport of disaggregated engines (a sender process stages the buckets and broadcasts them over gloo; the engine
+receives all of it, then loads), next to the same baselines.
 Generation: vLLM vs transformers `generate` on the same prompts (P prompts x N samples x L new tokens, T=1).
 
     .venv/bin/python bench/refit_bench.py [--model DIR] [--refits 3] [--bucket-mb 128] [--prompts 8 --samples 8
@@ -66,6 +68,50 @@ def _memcpy_baselines(tensors, reps):
         cold.append(time.perf_counter() - t0)
         del fresh
     return statistics.median(warm), statistics.median(cold)
+
+
+def _collective_sender(model_dir: str, bucket_bytes: int, port: int, commands, handles) -> None:
+    """A trainer stand-in in its own process: rank 0 of a one-stage refit group; per command, stage + broadcast."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.weights.collective import CollectiveSender, open_group
+
+    torch.set_num_threads(1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sender = CollectiveSender(open_group("127.0.0.1", port, 0, 2), 0, torch.device("cpu"))
+    while (version := commands.get()) is not None:
+        t0 = time.perf_counter()
+        handles.put(sender.send(export_buckets(hf, bucket_bytes), version).to_dict())
+        stage_s = time.perf_counter() - t0
+        sender.broadcast()
+        handles.put(stage_s)
+
+
+def collective_refits(gen, model_dir: str, bucket_bytes: int, refits: int, first_version: int) -> list[dict]:
+    import multiprocessing as mp
+
+    from megatron_rl.distributed.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    commands, handles = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    proc = ctx.Process(target=_collective_sender, args=(model_dir, bucket_bytes, port, commands, handles))
+    proc.start()
+    try:
+        gen.join_refit_groups([{"stage": 0, "host": "127.0.0.1", "port": port}], 1, 2)
+        rows = []
+        for v in range(first_version, first_version + refits):
+            t0 = time.perf_counter()
+            commands.put(v)
+            st = gen.receive_weights(handles.get(timeout=300))
+            total = time.perf_counter() - t0
+            rows.append({**st, "refit_s": total, "stage_s": handles.get(timeout=300)})
+        commands.put(None)
+        return rows
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _rss_mib() -> float:
@@ -142,6 +188,15 @@ def main(argv=None) -> int:
               f"{med['refit_s'] / cold:.1f}x fresh-buffer memcpy; transport alone (shm write + checks) "
               f"{transport:.3f} s = {transport / warm:.1f}x warm / {transport / cold:.1f}x fresh; "
               f"engine load+re-pack {med['reload_s']:.3f} s")
+
+        crow = collective_refits(gen, args.model, args.bucket_mb * 2**20, args.refits, args.refits + 1)
+        for r in crow:
+            print(f"collective refit v{r.get('version', '')}: total {r['refit_s']:.3f} s = sender staging "
+                  f"{r['stage_s']:.3f} + broadcast/receive {r['validate_s']:.3f} + engine load+re-pack "
+                  f"{r['reload_s']:.3f} (rest: rpc/bookkeeping)")
+        cmed = statistics.median(r["refit_s"] for r in crow[1:] or crow)
+        print(f"collective refit median after the first {cmed:.3f} s: {cmed / warm:.1f}x warm memcpy, "
+              f"{cmed / cold:.1f}x fresh-buffer memcpy, {cmed / med['refit_s']:.2f}x the shared-memory refit")
 
         total_tokens = args.prompts * args.samples * args.tokens
         for threads in args.threads:

@@ -146,7 +146,8 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: 
     else:
         raise ValueError(f"unknown loss variant {cfg.variant!r} (expected grpo, gspo or cispo)")
 
-    weights = importance_weights(old, gen, mask, cfg.importance_correction, cfg.importance_cap, inverse, num_seqs)
+    weights = importance_weights(old, gen, mask, cfg.importance_correction or "off", cfg.importance_cap, inverse,
+                                 num_seqs)
     keep = None
     if cfg.importance_mask != "off":
         keep = importance_mask(old, gen, mask, cfg, inverse, num_seqs)

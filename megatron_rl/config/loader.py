@@ -256,6 +256,13 @@ def _validate_algorithm(cfg: Config) -> None:
         raise ConfigError(f"grpo.loss.normalizer_max_len must be >= 1, got {loss.normalizer_max_len}")
     if loss.effective_normalizer() == "constant" and loss.normalizer_max_len is None:
         loss.normalizer_max_len = cfg.generation.max_new_tokens
+    if g.max_staleness < 0:
+        raise ConfigError(f"grpo.max_staleness must be >= 0, got {g.max_staleness}")
+    if g.max_staleness > 0 and cfg.cluster.colocated:
+        raise ConfigError(f"grpo.max_staleness={g.max_staleness} needs cluster.colocated=false: colocated engines "
+                          "and trainer take turns on the same devices, so generation cannot overlap training")
+    if loss.importance_correction is None:
+        loss.importance_correction = "token" if g.max_staleness > 0 else "off"
     if cfg.reward.overlong_buffer_len > cfg.generation.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} is longer than "
                           f"generation.max_new_tokens={cfg.generation.max_new_tokens}")

@@ -103,7 +103,9 @@ class LossConfig:
     normalizer: Optional[Literal["tokens", "sequences", "constant"]] = None
     # the constant normaliser's length; None: generation.max_new_tokens (the config loader fills it in)
     normalizer_max_len: Optional[int] = None
-    importance_correction: Literal["off", "token", "sequence"] = "off"  # truncated IS for generator/trainer mismatch
+    # truncated IS for generator/trainer mismatch; None: off for synchronous runs, token for grpo.max_staleness >= 1
+    # (rollouts from older weights: the loss corrects for the behaviour policy with the generator's logprobs)
+    importance_correction: Optional[Literal["off", "token", "sequence"]] = None
     importance_cap: float = 2.0
     # masked IS (sequence) / icepop (token): zero weight where pi_old/pi_gen (token, or product over the sequence)
     # is outside [importance_mask_low, importance_mask_high]; composes with importance_correction
@@ -140,6 +142,9 @@ class GRPOConfig:
     reuse_onpolicy_logprobs: bool = True
     max_nonfinite_steps: int = 3  # consecutive NaN/inf steps before aborting
     max_empty_steps: int = 5  # consecutive steps without a trainable group (all dropped) before aborting
+    # 0: synchronous (generate, train, refit). k >= 1: the engines generate the rollout of step s + k while step s
+    # trains (disaggregated placement only); no trained sample is more than k weight versions old
+    max_staleness: int = 0
     overlong_filter: bool = False  # DAPO: truncated completions (finish reason "length") are left out of the loss
     # NeMo-RL's CI gates on generator/trainer agreement, checked every step: warn (stderr), abort, or off
     mismatch_guard: Literal["warn", "abort", "off"] = "warn"

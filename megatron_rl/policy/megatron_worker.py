@@ -338,7 +338,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         res = load_checkpoint(path, self.gpt, extra_sharded_state={"optimizer": opt_sd})
         with torch.no_grad():  # the loader copies into the (leaf, requires-grad) fp32 main params in place
             self.optimizer.load_state_dict(res["extra_sharded_state"]["optimizer"])
-        self._unshare_adam_steps()
+        self._restore_adam_steps(_saved_adam_step(res["extra_sharded_state"]["optimizer"]))
         extra = res["extra_state"] or {}
         if "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
@@ -377,15 +377,22 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         for g, lr in zip(opt.param_groups, saved):
             g["lr"] = lr
 
-    def _unshare_adam_steps(self) -> None:
-        """megatron's loader gives every parameter's torch-Adam state the *same* 'step' tensor; torch increments it
-        in place once per parameter, which would wreck the bias correction. Give each its own copy."""
+    def _restore_adam_steps(self, saved: float | None) -> None:
+        """Give every torch-Adam state its own copy of the checkpoint's step count.
+
+        Two megatron-core 0.16 loader problems with torch's Adam (no apex/TE): (1) every parameter's state gets the
+        *same* 'step' tensor, which torch increments in place once per parameter, wrecking the bias correction;
+        (2) with the distributed optimizer's `dp_reshardable` layout, the parameter-state loader copies the step of
+        the *loading* optimizer (the lr-0 step of `_materialize_optimizer_state`: 1) over the checkpoint's, so the
+        first update after a resume used the wrong bias correction (found by the async resume test: weights after
+        the next step differed by ~1e-4 from the uninterrupted run's). The checkpoint's own step is in its param
+        groups (`saved`)."""
         opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         for o in opts:
             inner = getattr(o, "optimizer", None)
             for st in (inner.state.values() if inner is not None else []):
                 if torch.is_tensor(st.get("step")):
-                    st["step"] = st["step"].clone()
+                    st["step"] = torch.full_like(st["step"], saved) if saved is not None else st["step"].clone()
 
     # ------------------------------------------------------------------------------------ colocated handover
     def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -430,6 +437,26 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             raise LifecycleError(f"cannot {what} while the trainer state is "
                                  f"{self.lifecycle_state} (the colocated handover gave the device to the generator; "
                                  "onload() first)")
+
+
+def _saved_adam_step(loaded) -> float | None:
+    """The optimizer step count stored in a loaded megatron optimizer state dict (its param groups' 'step'); None
+    when absent or inconsistent."""
+    steps: set[float] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "param_groups" and isinstance(v, list):
+                    steps.update(float(g["step"]) for g in v if isinstance(g, dict) and g.get("step") is not None)
+                else:
+                    walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(loaded)
+    return steps.pop() if len(steps) == 1 else None
 
 
 def _to(t: torch.Tensor | None, dev) -> torch.Tensor | None:

@@ -124,7 +124,9 @@ def layouts_match_reference(rank: int, world_size: int, model_dir: str):
 
 
 def save_load_resume(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
-    """step 1, save, step 2 == fresh worker, load, step 2 (bit-identical weights), at TP=2."""
+    """steps 1-2, save, step 3 == fresh worker, load, step 3 (bit-identical weights), at TP=2. Two steps before the
+    save: Adam's step count at the save (2) then differs from the loading optimizer's own (1), which megatron's
+    dp_reshardable loader used to keep (the resumed update's bias correction was wrong)."""
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
     import json
 
@@ -133,6 +135,7 @@ def save_load_resume(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
     w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, tp=2), max_steps=10)
     w.setup()
     w.train(b1, pg_loss)
+    w.train(make_batch(vocab, seed=3), pg_loss)
     w.save(ckpt_dir, extra={"data_position": 8})
     m_a = w.train(b2, pg_loss)
     a = w.hf_state_dict()

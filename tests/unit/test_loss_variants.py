@@ -68,7 +68,7 @@ def reference(b, cfg):
         for t in toks:
             tok_r = math.exp(f(old[t]) - f(gen[t]))
             w = {"off": 1.0, "token": min(tok_r, cfg.importance_cap),
-                 "sequence": min(math.exp(seq_log_r), cfg.importance_cap)}[cfg.importance_correction]
+                 "sequence": min(math.exp(seq_log_r), cfg.importance_cap)}[cfg.importance_correction or "off"]
             r_for_mask = {"token": tok_r, "sequence": math.exp(seq_log_r)}.get(cfg.importance_mask)
             if r_for_mask is not None and not cfg.importance_mask_low <= r_for_mask <= cfg.importance_mask_high:
                 w = 0.0
