@@ -190,8 +190,8 @@ def main(argv=None) -> int:
               f"engine load+re-pack {med['reload_s']:.3f} s")
 
         crow = collective_refits(gen, args.model, args.bucket_mb * 2**20, args.refits, args.refits + 1)
-        for r in crow:
-            print(f"collective refit v{r.get('version', '')}: total {r['refit_s']:.3f} s = sender staging "
+        for v, r in enumerate(crow, start=args.refits + 1):
+            print(f"collective refit v{v}: total {r['refit_s']:.3f} s = sender staging "
                   f"{r['stage_s']:.3f} + broadcast/receive {r['validate_s']:.3f} + engine load+re-pack "
                   f"{r['reload_s']:.3f} (rest: rpc/bookkeeping)")
         cmed = statistics.median(r["refit_s"] for r in crow[1:] or crow)
