@@ -349,11 +349,11 @@ def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model,
             c.handover.to_generator()
         return out
 
-    def step_with_faults(cfg, c, step, loss_fn, checkpoint=None):
+    def step_with_faults(cfg, c, step, loss_fn, checkpoint=None, **kw):
         if step not in poison:
-            return real_step(cfg, c, step, loss_fn, checkpoint)
+            return real_step(cfg, c, step, loss_fn, checkpoint, **kw)
         before = hf_weights(c)
-        rec = real_step(cfg, c, step, faults_inject.PoisonedLoss(loss_fn, poison[step]), checkpoint)
+        rec = real_step(cfg, c, step, faults_inject.PoisonedLoss(loss_fn, poison[step]), checkpoint, **kw)
         weights[step] = (before, hf_weights(c))
         return rec
 
