@@ -59,10 +59,15 @@ class Platform:
             torch.cuda.synchronize()
 
     def release_cached_memory(self) -> None:
-        """Return freed blocks from torch's caching allocator to the driver, so another process (the colocated vLLM
-        engine) can allocate them. CPU frees go straight back to the allocator: nothing to do."""
+        """Give memory this process freed back to the system, so the colocated partner (vLLM engine or trainer) can
+        use it: torch's caching allocator on GPU; on CPU glibc's heap, which `worker_env` tells to keep freed memory
+        (it would otherwise be reused by whatever the next step allocates, and a storage restored later lands
+        elsewhere: the soak measured a trainer and a generator each growing by the size of what they had released).
+        `malloc_trim(0)` hands every free heap page back (madvise), so an offload is visible in RSS as on a GPU."""
         if self.is_gpu:
             torch.cuda.empty_cache()
+        else:
+            _malloc_trim()
 
     def rng_state(self) -> dict:
         """Every RNG stream a resumed run must continue: the CPU generator, the CUDA generator of this device (GPU),
@@ -290,3 +295,21 @@ def device_telemetry(index: int = 0) -> dict:
         return {"gpu_mem_used_gb": mem.used / 2**30, "gpu_util": float(util.gpu)}
     except Exception:
         return {}
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0); a no-op where the C library has none (musl, macOS)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            _LIBC = False
+    if _LIBC and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None

@@ -46,6 +46,12 @@ def _generate(c, **kw):
     return c.generator.generate(PROMPTS, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4, **kw)
 
 
+def _rss(pids) -> list[int]:
+    import psutil
+
+    return [psutil.Process(p).memory_info().rss for p in pids]
+
+
 def _exported(c) -> dict:
     out = {}
     for part in c.policy.group.call("hf_state_dict"):
@@ -86,8 +92,16 @@ def test_engine_starts_after_the_trainer_left_the_device(parts):
 def test_handover_moves_memory_and_each_side_refuses_the_wrong_phase(parts):
     _, c, out = parts
     kv_awake = c.generator.kv_cache_bytes()
+    kv_each = [e.kv_cache_bytes() for e in c.generator.engines]
+    gen_rss, pol_rss = _rss(c.generator.pids()), _rss(c.policy.group.pids)
     c.handover.to_trainer()
     assert c.generator.state == ASLEEP and c.generator.kv_cache_bytes() == 0
+    # the memory really moved, as the process table sees it: the engines gave their KV caches back to the system
+    # (not to their own heaps) and the trainer ranks took their state back
+    for before, after, kv in zip(gen_rss, _rss(c.generator.pids()), kv_each):
+        assert before - after > 0.8 * kv, (before, after, kv)
+    for before, after, r in zip(pol_rss, _rss(c.policy.group.pids), c.policy.memory_report()):
+        assert after - before > 0.8 * r["device_bytes"], (before, after, r)
     with pytest.raises(LifecycleError, match="generator is asleep"):
         _generate(c, expected_version=0)
     reports = c.policy.memory_report()
