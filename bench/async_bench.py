@@ -23,7 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 MODES = {
     "sync colocated": [],
-    "async disaggregated (max_staleness=1)": ["cluster.colocated=false", "grpo.max_staleness=1"],
+    # the engine's slot comes out of the cluster's devices: one for the trainer, one for the engine
+    "async disaggregated (max_staleness=1)": ["cluster.colocated=false", "cluster.devices_per_node=2",
+                                              "grpo.max_staleness=1"],
 }
 
 

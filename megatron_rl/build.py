@@ -1,7 +1,8 @@
 """The one place that turns a `Config` into running parts: Ray, placement, policy ranks, generator, data, reward.
 
 Colocated (default): policy ranks and the generator share each device bundle (fractional resources) and take turns;
-disaggregated: the generator gets bundles of its own. Everything CPU/GPU-specific comes from the platform module.
+disaggregated: the generator gets bundles of its own, out of the cluster's devices (`parallel_dims.device_layout`).
+Everything CPU/GPU-specific comes from the platform module.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class Components:
 
 
 def max_model_len(cfg: Config) -> int:
-    return cfg.generation.max_model_len or (cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens)
+    return cfg.max_model_len()
 
 
 def build_engine(cfg: Config, model_dir: Path | str, seed: int = 0):
@@ -86,7 +87,7 @@ def build(cfg: Config, out_dir: Path) -> Components:
     import ray
 
     from megatron_rl.distributed.cluster import init_ray, reserve
-    from megatron_rl.distributed.parallel_dims import generation_bundles
+    from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.distributed.worker_group import WorkerGroup
     from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
     from megatron_rl.generation.pool import GeneratorPool
@@ -101,11 +102,8 @@ def build(cfg: Config, out_dir: Path) -> Components:
     reward_fn = RewardFn(cfg.reward, cfg.data.source)
 
     c = cfg.cluster
-    devices = c.num_nodes * c.devices_per_node
-    world = cfg.policy.tp * cfg.policy.pp * (cfg.policy.dp or devices // (cfg.policy.tp * cfg.policy.pp))
-    gen_bundles = generation_bundles(policy_world=world, colocated=c.colocated, tp=cfg.generation.tp,
-                                     dp=cfg.generation.dp)
-    n_bundles = world if c.colocated else world + sum(len(b) for b in gen_bundles)
+    layout = layout_of(cfg)  # the loader validated the same layout
+    world, gen_bundles, n_bundles = layout.policy.world_size, layout.engines, layout.bundles
     # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
     init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
     placement = reserve(n_bundles)

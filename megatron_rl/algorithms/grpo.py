@@ -165,9 +165,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
 
     c.handover.to_trainer()
     t0 = time.perf_counter()
-    several = cfg.grpo.optimizer_steps_per_rollout > 1
     # async: the rollout's own logprobs are the behaviour policy's, not the current weights': recompute "old" ones
-    if several or not cfg.grpo.reuse_onpolicy_logprobs or cfg.grpo.max_staleness > 0:
+    if cfg.grpo.recomputes_old_logprobs():
         batch.old_logprobs = c.policy.logprobs(batch, T)
     if cfg.grpo.loss.kl_coef > 0:
         batch.ref_logprobs = c.policy.reference_logprobs(batch, T)

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.schema import Config
+from megatron_rl.distributed.parallel_dims import check_engine_split, check_policy_split, layout_of
 
 
 class ConfigError(ValueError):
@@ -209,15 +210,10 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"{key} must be >= 1, got {v}")
-    if p.dp is not None and p.dp < 1:
-        raise ConfigError(f"policy.dp must be >= 1, got {p.dp}")
-    world = c.num_nodes * c.devices_per_node
-    ranks = p.tp * p.pp * (p.dp or 1)
-    if ranks > world:
-        raise ConfigError(f"policy.tp*pp*dp = {ranks} ranks do not fit cluster.num_nodes*devices_per_node = {world}")
-    if p.dp is None and world % (p.tp * p.pp):
-        raise ConfigError(f"policy.tp*pp = {p.tp * p.pp} does not divide the {world} devices "
-                          "(cluster.num_nodes*devices_per_node); set policy.dp explicitly")
+    try:  # the devices each part gets: the same function build() places with
+        layout_of(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if not 0.0 < cfg.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
     if cfg.generation.temperature <= 0:
@@ -226,6 +222,8 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if g.loss.ratio_clip_c is not None and g.loss.ratio_clip_c <= 1.0:
         raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) must be > 1, got {g.loss.ratio_clip_c}")
     _validate_algorithm(cfg)
+    if cfg.generation.precision == "auto":
+        cfg.generation.precision = cfg.policy.precision
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ConfigError("data.path is required when data.source is 'jsonl'")
     if check_model:
@@ -258,9 +256,7 @@ def _validate_algorithm(cfg: Config) -> None:
         loss.normalizer_max_len = cfg.generation.max_new_tokens
     if g.max_staleness < 0:
         raise ConfigError(f"grpo.max_staleness must be >= 0, got {g.max_staleness}")
-    if g.max_staleness > 0 and cfg.cluster.colocated:
-        raise ConfigError(f"grpo.max_staleness={g.max_staleness} needs cluster.colocated=false: colocated engines "
-                          "and trainer take turns on the same devices, so generation cannot overlap training")
+    # max_staleness >= 1 with colocated placement is a layout rule (parallel_dims.device_layout)
     if loss.importance_correction is None:
         loss.importance_correction = "token" if g.max_staleness > 0 else "off"
     if cfg.reward.overlong_buffer_len > cfg.generation.max_new_tokens:
@@ -274,7 +270,8 @@ def _validate_algorithm(cfg: Config) -> None:
 
 
 def validate_against_model(cfg: Config) -> None:
-    """tp must divide attention heads and KV heads, pp must divide layers (needs the model's config.json)."""
+    """The trainer's and the engine's tensor/pipeline split must suit the model's shape (its config.json): the rules
+    of `parallel_dims.check_policy_split` / `check_engine_split`, which the planner applies too."""
     model_dir = resolve_model_dir(cfg.policy.model)
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
@@ -283,16 +280,12 @@ def validate_against_model(cfg: Config) -> None:
     hf = json.loads(cfg_file.read_text())
     heads = hf.get("num_attention_heads")
     kv = hf.get("num_key_value_heads") or heads
-    layers = hf.get("num_hidden_layers")
-    tp, pp, gtp = cfg.policy.tp, cfg.policy.pp, cfg.generation.tp
-    if heads and heads % tp:
-        raise ConfigError(f"policy.tp={tp} does not divide num_attention_heads={heads} of {cfg_file}")
-    if kv and kv % tp:
-        raise ConfigError(f"policy.tp={tp} does not divide num_key_value_heads={kv} of {cfg_file}")
-    if layers and layers % pp:
-        raise ConfigError(f"policy.pp={pp} does not divide num_hidden_layers={layers} of {cfg_file}")
-    if heads and heads % gtp:
-        raise ConfigError(f"generation.tp={gtp} does not divide num_attention_heads={heads} of {cfg_file}")
+    try:
+        check_policy_split(tp=cfg.policy.tp, pp=cfg.policy.pp, heads=heads, kv_heads=kv,
+                           layers=hf.get("num_hidden_layers"), ffn=hf.get("intermediate_size"))
+        check_engine_split(tp=cfg.generation.tp, heads=heads, kv_heads=kv)
+    except ValueError as e:
+        raise ConfigError(f"{e} of {cfg_file}") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:

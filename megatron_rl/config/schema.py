@@ -50,7 +50,8 @@ class PolicyConfig:
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None  # default: world size / (tp * pp)
-    # auto: bf16 on GPU, fp32 on CPU. No fp16: it needs dynamic loss scaling, which is not wired (the loader says so)
+    # auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16/AMX), else fp32. No fp16: it needs dynamic
+    # loss scaling, which is not wired (the loader says so)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -76,6 +77,9 @@ class GenerationConfig:
     # False: CUDA graphs on GPU (vLLM's own default; `megatron-rl plan` reads this default). The CPU engine is eager
     enforce_eager: bool = False
     max_model_len: Optional[int] = None  # default: max prompt tokens + max_new_tokens
+    # the engine's dtype; auto: policy.precision (sampling in the dtype the trainer scores in keeps the
+    # generator/trainer logprob mismatch at its floor). The loader fills it in
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     threads: Optional[int] = None  # CPU: decode threads (default: all cores in the train loop, where the trainer is
     # idle meanwhile: 4.5 s vs 7.3 s per demo step measured with 2 vs 1; 1 for an engine used on its own)
 
@@ -157,6 +161,17 @@ class GRPOConfig:
     val_pass_k: int = 4  # also sample k per validation prompt (pass@k); 0: greedy accuracy only
     seed: int = 42
 
+    def recomputes_old_logprobs(self) -> bool:
+        """Whether a step runs a separate "old" logprob pass before training. One optimizer step on fresh rollouts
+        reuses the first training forward instead; several steps need the pre-update values, and async rollouts
+        came from older weights than the ones the step starts from."""
+        return self.optimizer_steps_per_rollout > 1 or not self.reuse_onpolicy_logprobs or self.max_staleness > 0
+
+    def logprob_passes(self) -> int:
+        """Forward-only passes over the batch per step: the old-logprob pass and the KL reference's (the planner
+        prices the same passes the loop runs)."""
+        return int(self.recomputes_old_logprobs()) + int(self.loss.kl_coef > 0)
+
 
 @dataclass
 class DataConfig:
@@ -231,3 +246,7 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     # previous stage whose final checkpoint initialises this run (stage chains); None for a fresh start
     init_from: Optional[str] = None
+
+    def max_model_len(self) -> int:
+        """The engine's context: generation.max_model_len, by default the longest prompt plus the response budget."""
+        return self.generation.max_model_len or (self.data.max_prompt_tokens + self.generation.max_new_tokens)

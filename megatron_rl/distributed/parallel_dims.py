@@ -1,7 +1,12 @@
-"""Named parallel dimensions: the one place that maps a global rank to its (tp, dp, pp) coordinates.
+"""Named parallel dimensions and device layouts: the one place for the rules of how a run splits its devices.
 
-The order matches megatron-core's default `initialize_model_parallel(order="tp-cp-ep-dp-pp")`: TP varies fastest,
-then DP, then PP, so TP groups are contiguous ranks (one node) and PP stages are the slowest-varying dimension.
+- `ParallelDims` maps a global policy rank to its (tp, dp, pp) coordinates. The order matches megatron-core's default
+  `initialize_model_parallel(order="tp-cp-ep-dp-pp")`: TP varies fastest, then DP, then PP, so TP groups are
+  contiguous ranks (one node) and PP stages are the slowest-varying dimension.
+- `device_layout` decides which devices the policy ranks and the rollout engines get; the config loader validates
+  with it, `build()` places with it and `megatron-rl plan` proposes only layouts it accepts.
+- `check_policy_split` / `check_engine_split` are the model-shape rules of megatron-core and vLLM (heads, KV heads,
+  layers, FFN width vs TP and PP), read by the loader (from the model's config.json) and the planner (from its spec).
 """
 from __future__ import annotations
 
@@ -44,20 +49,120 @@ class ParallelDims:
         return f"rank {rank} (tp={c['tp']}, dp={c['dp']}, pp={c['pp']})"
 
 
-def generation_bundles(*, policy_world: int, colocated: bool, tp: int, dp: int | None) -> list[list[int]]:
-    """Placement-group bundle indices of each rollout engine (`generation.dp` engines x `generation.tp` devices).
-
-    Colocated: the engines share the policy's bundles, engine i on bundles [i*tp, (i+1)*tp); by default as many
-    engines as fit. Disaggregated: the engines get bundles after the policy's (policy_world ...); by default one."""
+def _engines(*, policy_world: int, colocated: bool, tp: int, dp: int | None) -> tuple[int, int]:
+    """(number of engines, first engine bundle): colocated engines share the policy's bundles (by default as many
+    as fit), disaggregated ones come after them (by default one)."""
     if colocated:
         dp = policy_world // tp if dp is None else dp
         if dp < 1 or dp * tp > policy_world:
             raise ValueError(f"generation.dp*tp = {dp}*{tp} engine devices do not fit the {policy_world} devices "
                              "the colocated policy holds")
-        first = 0
+        return dp, 0
+    dp = 1 if dp is None else dp
+    if dp < 1:
+        raise ValueError(f"generation.dp must be >= 1, got {dp}")
+    return dp, policy_world
+
+
+def generation_bundles(*, policy_world: int, colocated: bool, tp: int, dp: int | None) -> list[list[int]]:
+    """Placement-group bundle indices of each rollout engine (`generation.dp` engines x `generation.tp` devices):
+    engine i on bundles [first + i*tp, first + (i+1)*tp)."""
+    n, first = _engines(policy_world=policy_world, colocated=colocated, tp=tp, dp=dp)
+    return [list(range(first + i * tp, first + (i + 1) * tp)) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Where a run's parts sit: the policy's ranks on bundles [0, policy.world_size), each engine on `engines[i]`."""
+    devices: int  # cluster.num_nodes * cluster.devices_per_node
+    colocated: bool
+    policy: ParallelDims
+    gen_tp: int
+    gen_dp: int  # engines
+
+    @property
+    def engines(self) -> list[list[int]]:
+        """Bundle indices of each engine."""
+        return generation_bundles(policy_world=self.policy.world_size, colocated=self.colocated, tp=self.gen_tp,
+                                  dp=self.gen_dp)
+
+    @property
+    def gen_devices(self) -> int:
+        return self.gen_dp * self.gen_tp
+
+    @property
+    def bundles(self) -> int:
+        """Placement-group bundles to reserve: colocated engines share the policy's, disaggregated ones add theirs."""
+        return self.policy.world_size + (0 if self.colocated else self.gen_devices)
+
+
+def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
+                  gen_dp: int | None, max_staleness: int = 0) -> DeviceLayout:
+    """The layout of `devices` devices (GPUs, or CPU slots on CPU machines), or ValueError naming the config keys.
+
+    Colocated: the policy's ranks take the devices (default dp: devices / (tp*pp)) and the engines time-share them.
+    Disaggregated (`cluster.colocated: false`): the engines' devices (generation.dp * generation.tp, default one
+    engine) come out of the same count and the policy gets the rest, so a config that names its allocation's devices
+    reserves exactly those. Async GRPO (`grpo.max_staleness >= 1`) overlaps generation with training, which only
+    separate devices allow."""
+    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("generation.tp", gen_tp), ("cluster devices", devices)):
+        if v < 1:
+            raise ValueError(f"{key} must be >= 1, got {v}")
+    for key, v in (("policy.dp", dp), ("generation.dp", gen_dp)):
+        if v is not None and v < 1:
+            raise ValueError(f"{key} must be >= 1, got {v}")
+    check_staleness(max_staleness, colocated)
+    where = "cluster.num_nodes*devices_per_node"
+    if colocated:
+        room, whose = devices, f"the {devices} devices ({where})"
     else:
-        dp = 1 if dp is None else dp
-        if dp < 1:
-            raise ValueError(f"generation.dp must be >= 1, got {dp}")
-        first = policy_world
-    return [list(range(first + i * tp, first + (i + 1) * tp)) for i in range(dp)]
+        gen = (1 if gen_dp is None else gen_dp) * gen_tp
+        room = devices - gen
+        whose = (f"the {room} of {devices} devices ({where}) left after the engines' generation.dp*tp = {gen} "
+                 "(cluster.colocated=false: the engines get devices of their own)")
+        if room < 1:
+            raise ValueError(f"generation.dp*tp = {gen} engine devices leave no device for the policy out of "
+                             f"{where} = {devices} (cluster.colocated=false); raise cluster.devices_per_node or "
+                             "lower generation.dp")
+    ranks = tp * pp * (dp or 1)
+    if ranks > room:
+        raise ValueError(f"policy.tp*pp*dp = {ranks} ranks do not fit cluster: {whose}")
+    if dp is None and room % (tp * pp):
+        raise ValueError(f"policy.tp*pp = {tp * pp} does not divide {whose}; set policy.dp explicitly")
+    policy = ParallelDims(tp=tp, pp=pp, dp=room // (tp * pp) if dp is None else dp)
+    n_engines, _ = _engines(policy_world=policy.world_size, colocated=colocated, tp=gen_tp, dp=gen_dp)
+    return DeviceLayout(devices, colocated, policy, gen_tp, n_engines)
+
+
+def check_staleness(max_staleness: int, colocated: bool) -> None:
+    """Async GRPO overlaps generation with training, which only separate devices allow."""
+    if max_staleness > 0 and colocated:
+        raise ValueError(f"grpo.max_staleness={max_staleness} needs cluster.colocated=false: colocated engines and "
+                         "trainer take turns on the same devices, so generation cannot overlap training")
+
+
+def layout_of(cfg) -> DeviceLayout:
+    """`device_layout` of a `Config` (what `build()` places and the loader validates)."""
+    c, p, g = cfg.cluster, cfg.policy, cfg.generation
+    return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
+                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness)
+
+
+def check_policy_split(*, tp: int, pp: int, heads: int, kv_heads: int, layers: int, ffn: int | None) -> None:
+    """megatron-core's rules for the trainer: TP divides the attention heads, the KV heads (num_query_groups) and
+    the FFN width (column-parallel linear layers split their output evenly); PP divides the layers (uniform split).
+    ValueError naming the key otherwise."""
+    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads), ("intermediate_size", ffn)):
+        if n and n % tp:
+            raise ValueError(f"policy.tp={tp} does not divide {what}={n}")
+    if layers and layers % pp:
+        raise ValueError(f"policy.pp={pp} does not divide num_hidden_layers={layers}")
+
+
+def check_engine_split(*, tp: int, heads: int, kv_heads: int) -> None:
+    """vLLM's rules for an engine: TP divides the attention heads; KV heads are split when TP divides them and
+    replicated when they divide TP, anything else is refused. ValueError naming the key otherwise."""
+    if heads and heads % tp:
+        raise ValueError(f"generation.tp={tp} does not divide num_attention_heads={heads}")
+    if kv_heads and kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"generation.tp={tp} neither divides nor is a multiple of num_key_value_heads={kv_heads}")

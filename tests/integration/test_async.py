@@ -32,7 +32,8 @@ def _run(model, out: Path, steps: int, monkeypatch) -> list[dict]:
 
 def _run_patched(model, out: Path, steps: int) -> list[dict]:
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", [
-        f"policy.model={model}", f"output.dir={out}", "cluster.colocated=false", "grpo.max_staleness=1",
+        f"policy.model={model}", f"output.dir={out}", "cluster.colocated=false", "cluster.devices_per_node=2",
+        "grpo.max_staleness=1",
         "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
         "policy.optimizer.lr=1e-3", "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
         "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", "checkpoint.every_steps=2",

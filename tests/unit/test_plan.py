@@ -161,7 +161,7 @@ def test_step_time_is_within_a_third_of_nemo_rl_published_runs():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = [r for r in bench.rows() if r["which"] == "NeMo-RL layout"]
-    assert len(rows) == 2
+    assert len(rows) == len(bench.NEMO_RL)  # every published run fits at its own layout
     for r in rows:
         err = (r["step_s"] - r["pub_step_s"]) / r["pub_step_s"]
         print(f"{r['model']}: estimated {r['step_s']:.1f} s vs published {r['pub_step_s']} s ({err:+.0%})")

@@ -1,0 +1,387 @@
+"""The planner's model: memory per GPU and the time of one GRPO step for a given layout (pure arithmetic).
+
+`megatron-rl plan` (megatron_rl/plan.py) searches layouts with it; this text is part of its `--help`.
+
+Memory per GPU (training ranks; bf16 weights, Megatron mixed precision):
+  weights 2 B/param + fp32 gradient buffer 4 B/param + Adam state (fp32 master, m, v) 12 B/param, the last sharded
+  over DP by the distributed optimizer; parameters per rank follow megatron-core's sharding exactly (TP-split
+  matrices, replicated norms, vocab padded to 128*TP, embedding on the first stage, output layer on the last, and a
+  second copy of a tied embedding there when PP > 1).
+  activations per token and layer (flash attention, SwiGLU): (4*q_width + 4*kv_width + 6*ffn)/TP + 8h bytes (the
+  8h of norm inputs/outputs is replicated over TP: the policy worker runs without sequence parallelism); with full
+  recompute only the layer input (2h) is kept, plus one layer's activations while it is recomputed. 1F1B keeps PP
+  micro-batches in flight on the first stage: L layers' worth.
+  logits: bf16 [tokens, V/TP] and their gradient. Our fused log-prob kernels never build the fp32 [tokens, V]
+  softmax that an unfused cross-entropy would (that would add 8 B per logit).
+  colocated: during training vLLM sleeps (weights to host, KV cache freed); during generation the trainer has moved
+  its weights and optimizer state to the host (PolicyWorker.offload) and only its fp32 gradient buffer stays next
+  to vLLM's weights (2 B/param / gen-TP); the KV cache gets what is left and must hold one --seq-len sequence. Both
+  moves cross PCIe every step (25 GB/s assumed). Disaggregated: vLLM's GPUs hold only vLLM.
+  reserve: 2.5 GiB + 5% per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
+Phase times:
+  train 6 * params * tokens (8 with recompute) + causal attention FLOPs, at an assumed MFU, paced by the slowest
+  pipeline stage (the last one also runs the output layer), slowed by the bubble (PP-1)/micro-batches and the
+  distributed optimizer's gradient reduce-scatter and parameter all-gather;
+  logprobs 2 * params * tokens per forward-only pass: the "old" pass when the loop runs one (several optimizer steps
+  per rollout, or async) and the KL reference's (grpo.logprob_passes(), the loop's own rule);
+  decode is HBM-bandwidth bound: every step reads the instance's weights and its live KV cache, with concurrency
+  limited by the KV cache and vLLM's max_num_seqs; the step also lasts as long as its longest response (some GRPO
+  samples always run to the limit), so the tail runs at small batch. Decode runs as CUDA graphs unless
+  `--enforce-eager` (generation.enforce_eager; the default is the config's): eager, the CPU launches every layer's
+  kernels one by one each step, and a step cannot be shorter than that.
+  refit: vLLM's weights once per step, over NVLink (colocated, 50% of peak) or the network (disaggregated: the
+  collective broadcast, 80%), plus 0.5 s of fixed cost; switch (colocated only): both sides' host <-> GPU moves.
+Step time, by mode:
+  colocated (cluster.colocated: true):        generate + logprobs + train + refit + switch
+  disaggregated, synchronous (max_staleness 0): generate + logprobs + train + refit   (each side idles while the
+                                                other works, but nothing moves to the host)
+  async (grpo.max_staleness k >= 1, disaggregated only): max(generate, logprobs + train) + refit
+    the engines generate step n+1's rollout while step n trains; the loop joins the sampler before each refit, so
+    the refit itself is not overlapped. Any k >= 1 has this steady state (a larger k only absorbs step-to-step
+    variation, which the planner does not model); the trained samples are up to k weight versions old.
+  tokens/s/GPU = samples * mean length / step time / every GPU of the job (trainer + engines).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_rl.config.schema import GenerationConfig, GRPOConfig
+from megatron_rl.distributed.parallel_dims import check_engine_split, check_policy_split, device_layout
+from megatron_rl.plan_presets import GPU
+
+GiB = 2**30
+MFU = 0.40  # achieved/peak bf16 for Megatron dense training and forward passes at h >= 4096 (RL packing included)
+PREFILL_MFU = 0.50
+DECODE_BW_EFF = 0.70  # fraction of HBM bandwidth a decode step reaches
+DECODE_STEP_OVERHEAD_S = 3e-3  # scheduler + kernel launches per decode step (vLLM V1, CUDA graphs)
+# eager decode: the CPU issues each layer's ~12 kernels (norms, GEMMs, rotary, attention, activation) through Python,
+# ~15 us each; it runs ahead of the GPU, so it only costs time when the GPU work per step is shorter
+EAGER_LAUNCH_S_PER_LAYER = 2e-4
+MAX_NUM_SEQS = 1024  # vLLM's default concurrency cap on >= 70 GiB GPUs other than A100 (256 there)
+PCIE_GB_S = 25.0
+TP_EFF = {1: 1.0, 2: 0.97, 4: 0.93, 8: 0.88}  # tensor-parallel communication inside NVLink
+SEQUENCE_PARALLEL = False  # the policy worker does not turn it on: norm activations are replicated over TP
+
+
+class Infeasible(ValueError):
+    """No layout can run this request; the message says why."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    samples: int = 1024  # sequences per GRPO step (prompts x generations)
+    seq_len: int = 8192  # longest prompt + response
+    avg_len: int | None = None  # mean prompt + response tokens (default: seq_len / 2)
+    prompt_len: int = 256
+    mb_tokens: int | None = None  # tokens per training micro-batch (default: seq_len)
+    optimizer_steps: int = 1  # optimizer steps per rollout batch
+    # forward-only passes per step; the default is what the loop runs with the default config (none: one optimizer
+    # step reuses its first forward as the "old" logprobs, and there is no KL reference)
+    logprob_passes: int = GRPOConfig().logprob_passes()
+    distributed_optimizer: bool = True
+    enforce_eager: bool = GenerationConfig.enforce_eager  # vLLM decode without CUDA graphs; the config's default
+
+    @property
+    def mean_len(self) -> int:
+        return self.avg_len or self.seq_len // 2
+
+    @property
+    def micro_tokens(self) -> int:
+        return max(self.mb_tokens or self.seq_len, self.seq_len)
+
+
+@dataclass
+class Plan:
+    tp: int
+    pp: int
+    dp: int
+    gen_tp: int
+    train_gpus: int
+    gen_gpus: int
+    recompute: bool
+    colocated: bool
+    max_staleness: int = 0  # >= 1: async GRPO (generation overlaps training)
+    memory_gib: dict = field(default_factory=dict)  # training-phase breakdown of the fullest stage
+    train_peak_gib: float = 0.0
+    gen_peak_gib: float = 0.0
+    kv_gib: float = 0.0  # KV cache per GPU while generating
+    kv_tokens: int = 0  # KV-cache capacity per vLLM instance
+    concurrency: int = 0  # sequences decoded together per instance
+    seqs_per_instance: int = 0
+    times_s: dict = field(default_factory=dict)
+    step_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
+    bound: str = ""
+    eager_decode: bool = False  # the decode estimate is for vLLM without CUDA graphs (generation.enforce_eager)
+    vllm_gib: float = 0.0  # one vLLM rank's weights + KV cache: what generation.gpu_memory_utilization must allow
+
+    @property
+    def total_gpus(self) -> int:
+        return self.train_gpus if self.colocated else self.train_gpus + self.gen_gpus
+
+    @property
+    def gen_instances(self) -> int:
+        return self.gen_gpus // self.gen_tp
+
+
+def step_time(times: dict, *, max_staleness: int) -> float:
+    """One step from its phase times (see the module docstring): the sum, or with async GRPO the slower of the two
+    sides plus the refit that neither side overlaps."""
+    if max_staleness > 0:
+        return max(times["generate"], times["logprobs"] + times["train"]) + times["refit"] + times["switch"]
+    return sum(times.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# architecture arithmetic
+# ---------------------------------------------------------------------------------------------------------------
+
+def _widths(spec) -> tuple[int, int]:
+    return spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+
+
+def layer_params(spec, tp: int = 1) -> int:
+    """One decoder layer's parameters on a TP rank: split matrices /tp, norms replicated."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    q, kv = _widths(spec)
+    qkv = q + 2 * kv
+    split = h * qkv + q * h + 3 * h * f + (qkv if spec.qkv_bias else 0)
+    return split // tp + 2 * h
+
+
+def stage_params(spec, tp: int = 1, pp: int = 1) -> list[int]:
+    """Parameters held by one rank of each pipeline stage, as megatron-core allocates them."""
+    h = spec.hidden_size
+    vocab = spec.padded_vocab_for(tp) * h // tp
+    per_stage = spec.num_layers // pp * layer_params(spec, tp)
+    stages = [per_stage] * pp
+    stages[0] += vocab  # input embedding
+    stages[-1] += h  # final norm
+    if not spec.tied_embeddings or pp > 1:  # tied + PP>1: the last stage keeps its own copy of the embedding
+        stages[-1] += vocab
+    return stages
+
+
+def matmul_params(spec) -> int:
+    """Parameters that cost FLOPs per token: the layers and the output projection (the embedding is a lookup)."""
+    return spec.num_layers * layer_params(spec) + spec.vocab_size * spec.hidden_size
+
+
+def act_bytes_per_token_layer(spec, tp: int = 1) -> float:
+    """Bytes one layer keeps per token for its backward on a TP rank (bf16, flash attention, SwiGLU)."""
+    q, kv = _widths(spec)
+    hidden = 8 * spec.hidden_size  # norm inputs and outputs: split over TP only with sequence parallelism
+    return hidden / (tp if SEQUENCE_PARALLEL else 1) + (4 * q + 4 * kv + 6 * spec.ffn_hidden_size) / tp
+
+
+def kv_bytes_per_token(spec) -> int:
+    return 2 * spec.num_layers * _widths(spec)[1] * 2  # K and V, bf16
+
+
+def vllm_weight_bytes(spec, gen_tp: int) -> float:
+    """bf16 weights of one vLLM rank: layers split over gen-TP, embedding and (untied) output layer too."""
+    vocab = spec.vocab_size * spec.hidden_size * (1 if spec.tied_embeddings else 2)
+    return 2.0 * (spec.num_layers * layer_params(spec, gen_tp) + vocab / gen_tp + spec.hidden_size)
+
+
+def fwd_flops_per_token(spec, avg_len: int) -> float:
+    # 2 FLOPs per weight, plus causal attention: QK^T and AV over avg_len/2 keys on average
+    return 2.0 * matmul_params(spec) + 2.0 * spec.num_layers * _widths(spec)[0] * avg_len
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------------------------
+
+def usable_bytes(gpu: GPU) -> float:
+    return gpu.memory_gib * GiB * 0.95 - 2.5 * GiB
+
+
+def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload) -> tuple[dict, float]:
+    """(breakdown of the fullest stage in GiB, static bytes of that rank kept across phases)."""
+    t = wl.micro_tokens
+    per_layer = t * act_bytes_per_token_layer(spec, tp)
+    # full recompute keeps only each layer's input (split over TP only with sequence parallelism)
+    kept = t * 2 * spec.hidden_size / (tp if SEQUENCE_PARALLEL else 1) if recompute else per_layer
+    layers = spec.num_layers // pp
+    logits = 4.0 * t * spec.padded_vocab_for(tp) / tp  # bf16 logits + their gradient
+    best = None
+    for i, n in enumerate(stage_params(spec, tp, pp)):
+        opt = 12.0 * n / (dp if wl.distributed_optimizer else 1)
+        # 1F1B: stage i has PP - i micro-batches in flight; recompute rebuilds one layer at a time in backward
+        act = (pp - i) * layers * kept + (per_layer if recompute else 0.0)
+        parts = {"weights": 2.0 * n, "grads": 4.0 * n, "optimizer": opt, "activations": act,
+                 "logits": logits if i == pp - 1 else 0.0}
+        if best is None or sum(parts.values()) > sum(best.values()):
+            best = parts
+    static = best["weights"] + best["grads"] + best["optimizer"]
+    return {k: v / GiB for k, v in best.items()}, static
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# time
+# ---------------------------------------------------------------------------------------------------------------
+
+def _mfu(spec, tp: int) -> float:
+    # narrow models run smaller GEMMs at lower efficiency (a heuristic: 0.78x at h=1536, 1x from h=4096)
+    return MFU * min(1.0, (spec.hidden_size / 4096) ** 0.25) * TP_EFF[tp]
+
+
+def stage_fwd_flops(spec, pp: int, avg_len: int) -> float:
+    """Forward FLOPs per token of the slowest pipeline stage (the last one also runs the output layer)."""
+    h = spec.hidden_size
+    layer = 2.0 * (layer_params(spec) - 2 * h) + 2.0 * _widths(spec)[0] * avg_len
+    return spec.num_layers // pp * layer + 2.0 * spec.vocab_size * h
+
+
+def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool, wl: Workload) -> dict:
+    group_tokens = math.ceil(wl.samples / dp) * wl.mean_len  # one DP replica's share; idle replicas wait
+    # a pipeline runs at the pace of its slowest stage: uniform layer split, output layer on the last stage
+    fwd = stage_fwd_flops(spec, pp, wl.mean_len)
+    rate = tp * gpu.bf16_tflops * 1e12 * _mfu(spec, tp)
+    micro = max(1, math.ceil(group_tokens / wl.optimizer_steps / wl.micro_tokens))
+    bubble = 1.0 + (pp - 1) / micro
+    train = group_tokens * fwd * (4 if recompute else 3) / rate * bubble
+    if dp > 1:  # distributed optimizer: fp32 grad reduce-scatter + bf16 param all-gather, once per optimizer step
+        n = max(stage_params(spec, tp, pp))
+        bw = gpu.nvlink_gb_s if tp * pp * dp <= gpu.nvlink_domain else gpu.network_gb_s
+        train += wl.optimizer_steps * 6.0 * n * (dp - 1) / dp / (bw * 1e9 * 0.8)
+    logprobs = wl.logprob_passes * group_tokens * fwd / rate * bubble
+    balance = fwd_flops_per_token(spec, wl.mean_len) / (pp * fwd)
+    return {"logprobs": logprobs, "train": train, "bubble": bubble - 1.0, "balance": balance}
+
+
+def generation_time(spec, gpu: GPU, gen_tp: int, instances: int, kv_tokens: int, wl: Workload) -> dict:
+    seqs = math.ceil(wl.samples / instances)
+    cap = MAX_NUM_SEQS if gpu.memory_gib >= 70 and "A100" not in gpu.name else 256
+    conc = max(1, min(seqs, cap, kv_tokens // max(wl.mean_len, 1)))
+    weights = 2.0 * matmul_params(spec) / gen_tp  # bytes each GPU reads per decode step
+    kv_gpu = kv_bytes_per_token(spec) / min(gen_tp, spec.num_kv_heads)  # vLLM replicates KV heads past kv_heads
+    bw = gpu.hbm_tb_s * 1e12 * DECODE_BW_EFF
+    fwd = fwd_flops_per_token(spec, wl.mean_len)
+    overhead = DECODE_STEP_OVERHEAD_S + (2 * spec.num_layers * 8e-6 if gen_tp > 1 else 0.0)  # TP all-reduce latency
+    launch = spec.num_layers * EAGER_LAUNCH_S_PER_LAYER if wl.enforce_eager else 0.0  # a floor on the GPU work
+    resp_mean = max(1, wl.mean_len - wl.prompt_len)
+    resp_max = max(resp_mean, wl.seq_len - wl.prompt_len)
+    live_ctx = wl.prompt_len + resp_mean / 2
+    full_steps = math.ceil(seqs * resp_mean / conc)
+    t_full = max((weights + conc * live_ctx * kv_gpu) / bw,
+                 conc * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU), launch) + overhead
+    tail_steps = max(0, resp_max - full_steps)
+    t_tail = max((weights + live_ctx * kv_gpu) / bw, launch) + overhead
+    prefill = seqs * wl.prompt_len * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU)
+    return {"generate": prefill + full_steps * t_full + tail_steps * t_tail, "concurrency": conc, "seqs": seqs,
+            "tail_share": tail_steps * t_tail / max(prefill + full_steps * t_full + tail_steps * t_tail, 1e-9),
+            "launch_bound": launch > (weights + live_ctx * kv_gpu) / bw}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one layout
+# ---------------------------------------------------------------------------------------------------------------
+
+def _straddles(first: int, n: int, tp: int, domain: int) -> bool:
+    """Whether TP groups of `tp` GPUs, laid out from GPU `first` over `n` GPUs, cross a multiple of `domain`. With
+    `domain` a multiple of `tp` (true for TP 1/2/4/8 and domains of 8 or 72), groups aligned to `tp` never do, and
+    misaligned ones do exactly when a domain boundary falls inside the range."""
+    if first % tp == 0:
+        return False
+    return (first // domain + 1) * domain < first + n
+
+
+def layout_problem(spec, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int, colocated: bool,
+                   max_staleness: int = 0, domain: int = 0) -> str | None:
+    """Why the runtime would refuse this layout (the loader's and build()'s own rules), or why the planner does
+    (TP across NVLink `domain`s, when given), or None."""
+    if gen_gpus % gen_tp:
+        return f"{gen_gpus} generation GPUs do not split into vLLM-TP={gen_tp} instances"
+    train_gpus = tp * pp * dp
+    if domain and not colocated and _straddles(train_gpus, gen_gpus, gen_tp, domain):
+        # the planner's own rule (the runtime would run it, slowly): engines take the GPUs after the trainer's
+        return f"a vLLM-TP={gen_tp} engine would span two NVLink domains of {domain} GPUs"
+    try:
+        check_policy_split(tp=tp, pp=pp, heads=spec.num_heads, kv_heads=spec.num_kv_heads, layers=spec.num_layers,
+                           ffn=spec.ffn_hidden_size)
+        check_engine_split(tp=gen_tp, heads=spec.num_heads, kv_heads=spec.num_kv_heads)
+        device_layout(devices=train_gpus if colocated else train_gpus + gen_gpus, tp=tp, pp=pp, dp=dp,
+                      colocated=colocated, gen_tp=gen_tp, gen_dp=gen_gpus // gen_tp, max_staleness=max_staleness)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int,
+             recompute: bool, colocated: bool, max_staleness: int = 0) -> Plan | str:
+    """A Plan when the layout fits, else a string saying what does not fit (or which runtime rule refuses it)."""
+    refused = layout_problem(spec, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=gen_gpus, colocated=colocated,
+                             max_staleness=max_staleness, domain=gpu.nvlink_domain)
+    if refused:
+        return f"refused: {refused}"
+    train_gpus = tp * pp * dp
+    usable = usable_bytes(gpu)
+    mem, static = train_memory(spec, tp, pp, dp, recompute, wl)
+    train_peak = sum(mem.values()) * GiB
+    if train_peak > usable:
+        return f"training needs {train_peak / GiB:.1f} GiB per GPU (usable {usable / GiB:.1f})"
+    vllm_w = vllm_weight_bytes(spec, gen_tp)
+    # colocated: PolicyWorker.offload moves weights and optimizer state to the host while vLLM runs; the fp32
+    # gradient buffer stays
+    resident = mem["grads"] * GiB if colocated else 0.0
+    free = usable - vllm_w - resident
+    kv_gpu = kv_bytes_per_token(spec) / min(gen_tp, spec.num_kv_heads)
+    kv_tokens = int(max(free, 0) / kv_gpu)
+    if kv_tokens < wl.seq_len:
+        return (f"generation: {gen_tp}-GPU vLLM instances keep {vllm_w / GiB:.1f} GiB of weights"
+                + (f" next to the trainer's {resident / GiB:.1f} GiB of gradients" if colocated else "")
+                + f"; the KV cache holds {kv_tokens} tokens < one {wl.seq_len}-token sequence")
+    gen = generation_time(spec, gpu, gen_tp, gen_gpus // gen_tp, kv_tokens, wl)
+    side = train_side_times(spec, gpu, tp, pp, dp, recompute, wl)
+    if colocated:
+        refit = vllm_w / (gpu.nvlink_gb_s * 1e9 * 0.5) + 0.5
+        # both sides' weights (and the trainer's optimizer state) go to the host and back every step
+        moved = (static - resident) + vllm_w
+        switch = 2 * moved / (PCIE_GB_S * 1e9)
+    else:
+        refit = vllm_w / (gpu.network_gb_s * 1e9 * 0.8) + 0.5
+        switch = 0.0
+    times = {"generate": gen["generate"], "logprobs": side["logprobs"], "train": side["train"], "refit": refit,
+             "switch": switch}
+    step = step_time(times, max_staleness=max_staleness)
+    kv_bytes = kv_tokens * kv_gpu
+    p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, max_staleness=max_staleness,
+             memory_gib=mem, train_peak_gib=train_peak / GiB, gen_peak_gib=(resident + vllm_w + kv_bytes) / GiB,
+             kv_gib=kv_bytes / GiB, kv_tokens=kv_tokens, concurrency=gen["concurrency"], seqs_per_instance=gen["seqs"],
+             times_s=times, step_s=step, eager_decode=wl.enforce_eager, vllm_gib=(vllm_w + kv_bytes) / GiB)
+    p.tokens_per_s_per_gpu = wl.samples * wl.mean_len / step / p.total_gpus
+    p.bound = _bound(p, gen, side, usable)
+    return p
+
+
+def _bound(p: Plan, gen: dict, side: dict, usable: float) -> str:
+    t = p.times_s
+    if p.max_staleness > 0:  # the overlapped sides: the slower one sets the step
+        phase = "generate" if t["generate"] >= t["logprobs"] + t["train"] else max(("logprobs", "train"),
+                                                                                  key=t.__getitem__)
+    else:
+        phase = max(("generate", "logprobs", "train"), key=t.__getitem__)
+    if phase == "generate":
+        if gen["tail_share"] > 0.5:
+            why = "decode tail (longest response)"
+        elif p.concurrency < p.seqs_per_instance:
+            why = f"decode, KV cache ({p.concurrency}/{p.seqs_per_instance} seqs at once)"
+        else:
+            why = "decode, HBM bandwidth"
+        if gen["launch_bound"]:
+            why += ", eager kernel launches"
+    elif side["bubble"] > 0.15:
+        why = f"{phase}, pipeline bubble {side['bubble']:.0%}"
+    elif side["balance"] < 0.8:
+        why = f"{phase}, last pipeline stage ({side['balance']:.0%} balanced)"
+    else:
+        why = f"{phase}, compute"
+    if p.max_staleness > 0:
+        hidden = min(t["generate"], t["logprobs"] + t["train"])
+        why += f" (async hides {hidden:.0f} s)"
+    if p.train_peak_gib * GiB > 0.9 * usable:
+        why += f"; memory {p.train_peak_gib * GiB / usable:.0%}"
+    return why
