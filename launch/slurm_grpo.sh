@@ -152,6 +152,7 @@ STEP_NAMES=()
 STEP_LOGS=()
 DRIVER_PID=""
 CLEANED=0
+PHASE="while starting the Ray nodes"
 
 node_ports() {  # node_ports index -> the per-node port flags
   local base=$((RAY_PORT_BASE + $1 * RAY_PORT_STRIDE))
@@ -172,7 +173,7 @@ start_node() {  # start_node index ip|auto extra-ray-args...
   if [[ -n "${OBJECT_STORE_MB:-}" ]]; then
     args+=(--object-store-memory="$((OBJECT_STORE_MB * 1024 * 1024))")
   fi
-  srun "${SRUN_RAY[@]}" --nodelist="$name" --output="$log" \
+  srun "${SRUN_RAY[@]}" --nodelist="$name" --job-name="mrl-ray-$i" --output="$log" \
     bash -c "$NODE_ENTRY" mrl-node "$RAY" "$ip" "${args[@]}" &
   STEP_PIDS+=("$!")
   STEP_NAMES+=("$name")
@@ -198,13 +199,15 @@ report_dead() {  # report_dead "name|rc|log" what-was-happening
   tail -n 15 "$log" >&2 || true
 }
 
-supervise() {  # supervise pid what: wait for pid while watching every node; returns pid's status, or 97 on node loss
-  local pid="$1" what="$2" dead rc
+# supervise srun-pid step-name what: wait for the step while watching every node; its status, or 97 on node loss
+supervise() {
+  local pid="$1" step="$2" what="$3" dead rc
+  PHASE="$what"
   while kill -0 "$pid" 2>/dev/null; do
     dead="$(dead_node)"
     if [[ -n "$dead" ]]; then
       report_dead "$dead" "$what"
-      stop_pid "$pid" 20
+      stop_step "$pid" "$step" 20
       return 97
     fi
     sleep 1
@@ -222,15 +225,44 @@ supervise() {  # supervise pid what: wait for pid while watching every node; ret
   return "$rc"
 }
 
-stop_pid() {  # stop_pid pid grace_s: SIGTERM, then SIGKILL after the grace period
+# Stopping a step: a SIGTERM to srun itself makes srun SIGKILL the step's tasks ("forcing job termination"), so the
+# step's processes get their SIGTERM from Slurm (scancel --signal on the step, found by its name) and may shut down
+# cleanly; srun's own kill is only the fallback, after the grace period or when Slurm cannot be asked.
+term_step() {  # term_step srun-pid step-name
+  kill -0 "$1" 2>/dev/null || return 0
+  local ids
+  ids="$(squeue -h -s -j "$JOB_ID" -o '%i %j' 2>/dev/null | awk -v n="$2" '$2 == n {print $1}')" || true
+  if [[ -n "$ids" ]]; then
+    # scancel 22.05 signals a step and still exits non-zero ("Invalid job id"): its status says nothing, and
+    # await_step falls back to srun's kill if the step outlives the grace period anyway
+    # shellcheck disable=SC2086  # one word per step id
+    scancel --signal=TERM $ids >/dev/null 2>&1 || true
+  else
+    kill -TERM "$1" 2>/dev/null || true
+  fi
+}
+
+await_step() {  # await_step srun-pid grace_s: wait for the step to end; then srun's kill, then srun's own SIGKILL
   local pid="$1" t=0
-  kill -TERM "$pid" 2>/dev/null || return 0
   while kill -0 "$pid" 2>/dev/null && [[ "$t" -lt "$2" ]]; do
     sleep 1
     t=$((t + 1))
   done
-  kill -KILL "$pid" 2>/dev/null || true
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    t=0
+    while kill -0 "$pid" 2>/dev/null && [[ "$t" -lt 5 ]]; do
+      sleep 1
+      t=$((t + 1))
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
   wait "$pid" 2>/dev/null || true
+}
+
+stop_step() {  # stop_step srun-pid step-name grace_s
+  term_step "$1" "$2"
+  await_step "$1" "$3"
 }
 
 # shellcheck disable=SC2317  # called from the traps
@@ -239,29 +271,46 @@ cleanup() {
   CLEANED=1
   log "tearing down (driver, then ${#STEP_PIDS[@]} Ray nodes)"
   # short grace periods: scancel's SIGKILL follows its SIGTERM after KillWait (30 s by default)
-  if [[ -n "$DRIVER_PID" ]]; then stop_pid "$DRIVER_PID" 15; fi
+  if [[ -n "$DRIVER_PID" ]]; then stop_step "$DRIVER_PID" mrl-driver 15; fi
   local k
   for ((k = ${#STEP_PIDS[@]} - 1; k >= 0; k--)); do  # workers first, the head last
-    kill -TERM "${STEP_PIDS[$k]}" 2>/dev/null || true
+    term_step "${STEP_PIDS[$k]}" "mrl-ray-$k"
   done
   for ((k = ${#STEP_PIDS[@]} - 1; k >= 0; k--)); do
-    stop_pid "${STEP_PIDS[$k]}" 10
+    await_step "${STEP_PIDS[$k]}" 10
   done
   if [[ "$RAY_STOP_ON_EXIT" == 1 ]]; then
     # Safety net for Ray processes that outlived their step (e.g. after a SIGKILL).
-    timeout 60 srun "${SRUN_BASE[@]}" --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+    timeout 60 srun "${SRUN_BASE[@]}" --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --job-name=mrl-ray-stop \
       "$RAY" stop --force >/dev/null 2>&1 || true
   fi
 }
+
+# shellcheck disable=SC2317  # called from the trap
+on_term() {  # scancel, the --signal warning before the time limit, or Slurm killing the job after a node failure
+  local job state down
+  job="$(scontrol -o show job "$JOB_ID" 2>/dev/null)" || true
+  state="$(grep -o 'JobState=[A-Z_]*' <<<"$job" | cut -d= -f2)" || true
+  if [[ "$job" == *JobState=NODE_FAIL* || "$job" == *Reason=NodeDown* ]]; then
+    # Slurm ends the whole job when one of its nodes fails: name the node(s) it lost, as a Ray node loss would be
+    down="$(sinfo -h -N -n "$SLURM_JOB_NODELIST" -t down,no_respond -o %N 2>/dev/null | sort -u | paste -sd ' ')" ||
+      true
+    log "FAILED $PHASE: node ${down:-(unknown)} left the job (Slurm declared a node failure and ends the job)" >&2
+  else
+    log "SIGTERM received (job state ${state:-unknown}; scancel, or --signal ahead of the time limit)"
+  fi
+  cleanup
+  exit 143
+}
 trap cleanup EXIT
-trap 'cleanup; exit 143' TERM
+trap on_term TERM
 trap 'cleanup; exit 130' INT
 
 log "job $JOB_ID, $NNODES node(s): ${NODES[*]}; per node $GPUS_PER_NODE GPU(s), $CPUS_PER_NODE CPU(s)," \
   "devices_per_node=$DEVICES_PER_NODE; logs in $LOG_DIR"
 
 # The head's address is needed before anything else starts: ask the head node itself (same rules as every node).
-HEAD_IP="$(srun "${SRUN_ONE[@]}" --nodelist="${NODES[0]}" bash -c "$NODE_FUNCS"$'\n''node_ip')"
+HEAD_IP="$(srun "${SRUN_ONE[@]}" --nodelist="${NODES[0]}" --job-name=mrl-head-ip bash -c "$NODE_FUNCS"$'\n''node_ip')"
 HEAD="$HEAD_IP:$RAY_PORT"
 log "starting the Ray head on ${NODES[0]} ($HEAD) and $((NNODES - 1)) worker node(s)"
 start_node 0 "$HEAD_IP" --head --port="$RAY_PORT" --ray-client-server-port="$RAY_CLIENT_PORT" \
@@ -296,19 +345,19 @@ while True:
         sys.exit(f"Ray nodes not registered after {timeout:.0f}s: {missing} (alive: {sorted(alive)})")
     time.sleep(1)
 '
-srun "${SRUN_ONE[@]}" --nodelist="${NODES[0]}" \
+srun "${SRUN_ONE[@]}" --nodelist="${NODES[0]}" --job-name=mrl-wait \
   "$PYTHON" -c "$WAIT_PY" "$HEAD" "$RAY_WAIT_TIMEOUT_S" "$GPUS_PER_NODE" "${NODES[@]}" &
-supervise "$!" "while waiting for the Ray nodes"
+supervise "$!" mrl-wait "while waiting for the Ray nodes"
 
 log "starting megatron-rl train on ${NODES[0]}"
 # The driver runs on the head node. The cluster.* values describe this allocation, so they come last and win.
-srun "${SRUN_RAY[@]}" --nodelist="${NODES[0]}" \
+srun "${SRUN_RAY[@]}" --nodelist="${NODES[0]}" --job-name=mrl-driver \
   "$MEGATRON_RL" train "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"} "cluster.ray_address=$HEAD" "cluster.num_nodes=$NNODES" \
   "cluster.devices_per_node=$DEVICES_PER_NODE" "cluster.bind_host=$HEAD_IP" \
   > >(tee -a "$LOG_DIR/driver.log") 2>&1 &
 DRIVER_PID=$!
 rc=0
-supervise "$DRIVER_PID" "during training" || rc=$?
+supervise "$DRIVER_PID" mrl-driver "during training" || rc=$?
 DRIVER_PID=""
 if [[ "$rc" -eq 0 ]]; then
   log "training finished; driver log $LOG_DIR/driver.log"
