@@ -11,8 +11,9 @@ Measured in one run, each part in its own fresh process (one at a time: they nev
 - logprob: the worker's forward-only pass, 2 * matmul params * tokens;
 - decode: the vLLM engine sampling --gen-prompts x --gen-n completions of --gen-tokens tokens, FLOPs = 2 * matmul
   params * (generated tokens + prompt tokens prefilled once per prompt: prefix caching shares them).
-Attention score FLOPs are left out (under 2 % at these lengths). Matmul params count the tied lm_head once more:
-it is a [vocab, hidden] GEMM per token even though it shares its weights with the embedding lookup.
+FLOPs are counted as in the run's own `*_flops_per_s` metrics (megatron_rl/algorithms/throughput.py): matmul
+params are every linear layer plus the lm_head (a [vocab, hidden] GEMM per token, tied or not); attention scores are
+left out (under 2 % at these lengths).
 """
 from __future__ import annotations
 
@@ -30,17 +31,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def matmul_params(model_dir: str) -> int:
-    """Weights that take part in a GEMM per token: every linear layer, plus the lm_head (tied or not)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    h, f, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or h // heads
-    kv = cfg.get("num_key_value_heads", heads)
-    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * f
-    return L * per_layer + v * h
 
 
 def matmul_peak(rank, world, dtype_name, hidden, ffn, vocab, tokens, threads):
@@ -109,6 +99,7 @@ def decode_phase(rank, world, model_dir, dtype_name, prompts, n, tokens, threads
 
 
 def main(argv=None) -> int:
+    from megatron_rl.algorithms.throughput import matmul_params_of
     from megatron_rl.distributed.launch import run_distributed
     from megatron_rl.paths import default_model_dir
     from megatron_rl.platform import cpu_has_bf16
@@ -125,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     a = ap.parse_args(argv)
     cfg = json.loads((Path(a.model) / "config.json").read_text())
-    n_mm = matmul_params(a.model)
+    n_mm = matmul_params_of(a.model)
     tokens = a.seqs * a.len
     rows = {}
     for dt in a.dtypes.split(","):

@@ -24,6 +24,7 @@ from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
+from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
 from megatron_rl.algorithms.tracking import Tracker
 from megatron_rl.config import Config, dump_yaml
 from megatron_rl.platform import device_telemetry
@@ -150,7 +151,9 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
            "time_rollout_s": time.perf_counter() - t0, "staleness_max": staleness,
            "num_sequences": len(batch), "num_reward_timeouts": gstats.get("num_timeouts", 0),
            "num_reward_errors": gstats.get("num_errors", 0), "num_groups_dropped": gstats.get("num_groups_dropped", 0),
-           "truncated_frac": gstats["num_truncated"] / max(gstats["num_samples"], 1)}
+           "truncated_frac": gstats["num_truncated"] / max(gstats["num_samples"], 1),
+           "num_generated_tokens": gstats.get("num_generated_tokens", 0),
+           "num_prompt_tokens": gstats.get("num_prompt_tokens", 0)}
     if rewards.numel():  # over the kept groups; absent (not 0) when dynamic sampling dropped every group
         rec.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if rewards.numel() > 1 else 0.0)
     if len(batch) == 0:
@@ -196,6 +199,10 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     # optional counters: present when their feature is on (importance masks, DAPO overlong handling)
     rec.update({k: m[k] for k in ("is_masked_token_frac", "is_masked_seq_frac") if k in m})
     rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized") if k in gstats})
+    # mini-batch metrics are means over the optimizer steps; the positions fed add up over them
+    rec["num_tokens_fed"] = m.get("num_tokens_fed", 0.0) * len(results)
+    rec.update(phase_flops_per_s(matmul_params_of(str(c.model_dir)), rec, tokens_fed=rec["num_tokens_fed"],
+                                 logprob_passes=cfg.grpo.logprob_passes()))
     return _finish(c, rec, t_step)
 
 

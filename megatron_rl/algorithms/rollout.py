@@ -27,7 +27,8 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
     """Draw prompts, generate, score. Returns (SampledGroups of (item, samples) payloads, reward stats)."""
     g = cfg.generation
     G = cfg.grpo.num_generations_per_prompt
-    totals: dict = {"num_generated_tokens": 0, "num_samples": 0, "num_truncated": 0, "reward_s": 0.0}
+    totals: dict = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_samples": 0, "num_truncated": 0,
+                    "reward_s": 0.0}
 
     def draw(n: int):
         items = stream.next_batch(n)
@@ -47,6 +48,7 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
             if isinstance(v, (int, float)):
                 totals[k] = totals.get(k, 0) + v
         totals["num_generated_tokens"] += res.num_generated_tokens
+        totals["num_prompt_tokens"] += sum(len(it.prompt_ids) for it in items)  # prefilled once per prompt
         totals["num_samples"] += len(res)
         totals["num_truncated"] += sum(r == "length" for r in res.finish_reasons)
         payloads = []

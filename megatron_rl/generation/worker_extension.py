@@ -133,7 +133,7 @@ class RefitWorkerExtension:
                 freed += st.nbytes()
                 st.resize_(0)
         self._mrl_kv_sizes = sizes
-        get_platform().release_cached_memory()  # the pages go back to the system, not to this process's heap
+        get_platform().trim_host_heap()  # the pages go back to the system, not to this process's heap
         return freed
 
     def mrl_restore_kv_cache(self) -> int:

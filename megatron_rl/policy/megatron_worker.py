@@ -269,6 +269,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
                 count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=dev)
                 reduced = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in metrics.items()}
                 reduced.setdefault("loss", loss.detach().double().cpu())
+                # positions this micro-batch computed (packed rows, padding included): the FLOP count's tokens
+                reduced["num_tokens_fed"] = torch.tensor(float(raw.tokens.numel()), dtype=torch.float64)
                 return loss * n_tokens, count, reduced
 
             return logits, loss_func
@@ -330,8 +332,12 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
                        "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
                        "driver": extra or {}}
         opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), metadata=_OPT_CKPT_META)
-        return str(save_checkpoint(path, self.gpt, step=self.step, extra_state=extra_state,
-                                   extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir))
+        try:
+            return str(save_checkpoint(path, self.gpt, step=self.step, extra_state=extra_state,
+                                       extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir))
+        finally:
+            del opt_sd
+            get_platform().trim_host_heap()  # the save's staging copies: freed, but not left resident
 
     def load(self, path: str) -> dict:
         from megatron_rl.models.checkpoint import load_checkpoint

@@ -33,6 +33,7 @@ def test_collective_refit_serves_the_trained_weights(layout, tiny_model_factory,
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", [
         # three slots: the two policy ranks and the engine (disaggregated engines count in the cluster's devices)
         f"policy.model={model}", layout, "cluster.colocated=false", "cluster.devices_per_node=3",
+        "policy.precision=fp32",  # exact agreement with the trainer below (test_colocated_refit covers bf16)
         f"output.dir={tmp_path}", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
         "generation.max_new_tokens=8", "policy.optimizer.lr=1e-3", "grpo.val_every=0", "reward.num_workers=1",
         "generation.kv_cache_memory_mb=64"])

@@ -1,0 +1,81 @@
+"""Two variants of the CPU demo, the same steps, one run each, side by side: step time, its phases, FLOP/s, tokens/s,
+reward.
+
+    .venv/bin/python bench/demo_ab.py --compare precision [--steps 6] [--warmup 1] [key=value overrides ...]
+    .venv/bin/python bench/demo_ab.py --compare async ...
+
+Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with validation and checkpoints off.
+- precision: fp32 vs bf16 everywhere (trainer: megatron mixed precision with fp32 main weights and Adam; engine:
+  vLLM bf16; refit: bf16 tensors).
+- async: synchronous colocated vs asynchronous disaggregated (grpo.max_staleness=1). Sync: one policy rank and one
+  engine take turns on every core. Async: the engine has its own slot and generates step s+1 while step s trains; on
+  a 2-core machine each side then gets one core, so the overlap competes with halved per-phase speed — the numbers
+  say which wins here; on GPUs each side keeps its own devices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+COMPARISONS = {
+    "precision": {"fp32": ["policy.precision=fp32"], "bf16": ["policy.precision=bf16"]},
+    "async": {
+        "sync colocated": [],
+        # the engine's slot comes out of the cluster's devices: one for the trainer, one for the engine
+        "async disaggregated (max_staleness=1)": ["cluster.colocated=false", "cluster.devices_per_node=2",
+                                                  "grpo.max_staleness=1"],
+    },
+}
+
+
+def run_mode(extra: list[str], steps: int, out: Path) -> tuple[list[dict], float]:
+    from megatron_rl.algorithms import grpo
+    from megatron_rl.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [
+        f"output.dir={out}", f"grpo.max_steps={steps}", "grpo.val_every=0", "checkpoint.every_steps=0",
+        "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", *extra])
+    t0 = time.perf_counter()
+    assert grpo.run(cfg) == 0
+    wall = time.perf_counter() - t0
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()], wall
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), default="precision")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    keys = ("time_step_s", "time_generate_s", "time_train_s", "time_logprobs_s", "time_refit_s",
+            "time_handover_s", "time_wait_rollout_s", "generate_flops_per_s", "train_flops_per_s", "tokens_per_s",
+            "reward_mean", "token_mult_prob_error", "gen_kl_error")
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, extra) in enumerate(COMPARISONS[args.compare].items()):
+            recs, wall = run_mode(extra + list(args.overrides), args.steps, Path(tmp) / f"m{i}")
+            steady = [r for r in recs if "time_step_s" in r][args.warmup:]
+            rows[name] = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in keys}
+            rows[name]["wall_s"] = wall
+            rows[name]["staleness"] = max(r.get("staleness_max", 0) for r in recs if "time_step_s" in r)
+    print(f"{'median over steps ' + str(args.warmup + 1) + '..' + str(args.steps):<40}" +
+          "".join(f"{n:>38}" for n in rows))
+    for k in (*keys, "staleness", "wall_s"):
+        print(f"{k:<40}" + "".join(f"{rows[n][k]:>38.6g}" for n in rows))
+    (a_name, a), (b_name, b) = rows.items()
+    print(f"{b_name} vs {a_name}: step time {a['time_step_s'] / b['time_step_s']:.2f}x faster, "
+          f"tokens/s {b['tokens_per_s'] / a['tokens_per_s']:.2f}x, wall {a['wall_s'] / b['wall_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
