@@ -53,25 +53,11 @@ def matmul_peak(rank, world, dtype_name, hidden, ffn, vocab, tokens, threads):
 
 
 def policy_phases(rank, world, model_dir, dtype_name, seqs, length, prompt, threads):
-    from policy_bench import make_batch, pg_loss
+    """Median logprob-pass and train-step seconds (the first step is warm-up), lm_head on every position."""
+    from policy_bench import megatron_side
 
-    from megatron_rl.config.schema import OptimizerConfig, PolicyConfig
-    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
-
-    torch.set_num_threads(threads)
-    w = MegatronPolicyWorker(rank, world, max_steps=10, policy_cfg=PolicyConfig(
-        model=model_dir, precision=dtype_name, max_tokens_per_microbatch=4096, optimizer=OptimizerConfig(lr=1e-6)))
-    w.setup()
-    w.narrow_logits = False  # the lm_head on every position, so that 2 * params * tokens is the exact GEMM count
-    batch = make_batch(w.spec.vocab_size, seqs, length, prompt)
-    lp_t, tr_t = [], []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        w.logprobs(batch)
-        lp_t.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        w.train(batch, pg_loss)
-        tr_t.append(time.perf_counter() - t0)
+    lp_t, tr_t = megatron_side(rank, world, model_dir, seqs, length, prompt, 3, threads, precision=dtype_name,
+                               narrow=False)
     return statistics.median(lp_t[1:]), statistics.median(tr_t[1:])
 
 

@@ -31,14 +31,18 @@ def pg_loss(inp):
     return loss, {"loss": loss.detach()}
 
 
-def megatron_side(rank, world, model_dir, seqs, length, prompt, steps, threads):
+def megatron_side(rank, world, model_dir, seqs, length, prompt, steps, threads, precision="fp32", narrow=True):
+    """(logprob seconds, train seconds) per step. fp32 by default: the HF side below runs fp32. `narrow=False`: the
+    lm_head on every position (bench/phase_limits.py counts its FLOPs exactly)."""
     from megatron_rl.config.schema import OptimizerConfig, PolicyConfig
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     torch.set_num_threads(threads)
     w = MegatronPolicyWorker(rank, world, policy_cfg=PolicyConfig(
-        model=model_dir, max_tokens_per_microbatch=4096, optimizer=OptimizerConfig(lr=1e-6)), max_steps=steps)
+        model=model_dir, precision=precision, max_tokens_per_microbatch=4096, optimizer=OptimizerConfig(lr=1e-6)),
+        max_steps=steps)
     w.setup()
+    w.narrow_logits = narrow
     batch = make_batch(w.spec.vocab_size, seqs, length, prompt)
     lp_t, tr_t = [], []
     for _ in range(steps):

@@ -4,7 +4,10 @@ FLOPs are counted as the matmuls' 2 * (matmul params) per token forward, 6 per t
 where matmul params are every linear layer plus the lm_head (`plan_model.matmul_params`; the same count the planner
 uses). Attention score FLOPs are left out: at the demo's lengths they are under 2 % of the total, and a count that
 only grows with them would flatter long-context runs. Tokens are what each phase computed:
-- train: positions fed to the trainer (packed rows, padding included), per optimizer step;
+- train: positions fed to the trainer (packed rows, padding included), per optimizer step. The lm_head is counted
+  on every position although the trainer runs it on the response window only (`policy/model_hooks.py`): for the
+  CPU demo's short responses behind long shared prompts that overstates the rate by up to ~20 % (SmolLM2's lm_head
+  is 21 % of its matmul params); `bench/phase_limits.py` turns the window off, so its counts are exact;
 - logprobs: the same positions per forward-only pass (old logprobs, KL reference);
 - generate: tokens sampled plus prompt tokens prefilled once per prompt (prefix caching shares them over a group).
 `bench/phase_limits.py` puts these rates next to this machine's matmul peak.

@@ -62,9 +62,9 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _tagged_pids(tag: str) -> dict[int, str]:
-    """pid -> command line of every live process whose environment carries `TAG=tag`."""
-    needle = f"{TAG}={tag}".encode()
+def tagged_pids(tag: str, var: str = TAG) -> dict[int, str]:
+    """pid -> command line of every live process (but this one) whose environment carries `var=tag`."""
+    needle = f"{var}={tag}".encode()
     found = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
@@ -259,7 +259,7 @@ class SlurmCluster:
     # --- teardown ---------------------------------------------------------------------------------------------
     def leftovers(self) -> dict[int, str]:
         """Live processes of this cluster: its daemons and their slurmstepds (a job's tasks are the tests' business)."""
-        return _tagged_pids(self.tag)
+        return tagged_pids(self.tag)
 
     def stop(self) -> dict[int, str]:
         """Cancel every job, stop the daemons by pid (slurmds, slurmctld, munged), remove the temp dir. Returns what

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurm_cluster import SlurmCluster, unavailable_reason
+from tests.integration.slurm_cluster import SlurmCluster, tagged_pids, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "slurm_grpo.sh"
@@ -64,19 +64,7 @@ def _pick_port_base() -> int:
 
 def _tagged(tag: str) -> dict[int, str]:
     """pid -> command line of every live process whose environment carries the job's tag."""
-    found = {}
-    needle = f"MRL_SLURM_TEST_TAG={tag}".encode()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
-                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-        except OSError:
-            continue
-    return found
+    return tagged_pids(tag, "MRL_SLURM_TEST_TAG")
 
 
 def _assert_all_gone(tag: str, within_s: float = 30.0) -> None:
