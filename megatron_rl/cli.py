@@ -2,19 +2,41 @@
 
 Each subcommand parses its own arguments and delegates to the module that owns the work; heavy imports happen inside
 the handlers so `megatron-rl --help` and `info` stay fast.
+
+Bad input (a config key, a data file, a checkpoint) ends with one line on stderr naming what is wrong and where, and
+exit code 2; `--debug` (before the subcommand, or on `train`) or MEGATRON_RL_DEBUG=1 shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform as pyplatform
 import sys
 from importlib import metadata
 
+# (module, class, label) of the errors that mean bad input, not a bug: printed as "label: message", exit code 2.
+# Looked up in sys.modules when one is raised: a class whose module was never imported cannot have been raised,
+# and importing them up front would make `--help` pay for torch.
+USER_ERRORS = (
+    ("megatron_rl.config.loader", "ConfigError", "config error"),
+    ("megatron_rl.data.prompts", "PromptConfigError", "config error"),
+    ("megatron_rl.data.datasets", "DataError", "data error"),
+    ("megatron_rl.models.checkpoint", "CheckpointError", "checkpoint error"),
+)
+DEBUG_ENV = "MEGATRON_RL_DEBUG"
 
-def _not_built(name: str, issue: str) -> int:
-    print(f"megatron-rl {name}: not built yet ({issue}).", file=sys.stderr)
-    return 2
+
+def user_error_line(e: BaseException) -> str | None:
+    """"label: message" on one line when `e` is bad input, else None. An error raised inside a Ray worker arrives
+    as Ray's wrapper (an instance of the cause's class whose text holds the remote traceback): its cause is used."""
+    for module, name, label in USER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            cause = getattr(e, "cause", None)
+            text = str(cause if isinstance(cause, cls) else e)
+            return f"{label}: {' '.join(text.split())}"
+    return None
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -58,52 +80,38 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.algorithms.stages import is_chain, run_chain
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import load_config
 
-    try:
-        if is_chain(args.config):
-            return run_chain(args.config, args.overrides, dry_run=args.dry_run)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    if is_chain(args.config):
+        return run_chain(args.config, args.overrides, dry_run=args.dry_run)
+    cfg = load_config(args.config, args.overrides)
     if args.dry_run:
         from megatron_rl.config import to_dict
+        from megatron_rl.config.preflight import preflight
 
+        preflight(cfg, machine=False)  # model and tokenizer vs config; not this machine (the run may go elsewhere)
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    try:
-        from megatron_rl.algorithms.grpo import run as run_grpo
-    except ImportError:
-        return _not_built("train", "the GRPO loop lands with issue 7; `--dry-run` validates the config")
+    from megatron_rl.algorithms.grpo import run as run_grpo
+
     return run_grpo(cfg, config_path=args.config, overrides=args.overrides)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    try:
-        from megatron_rl.algorithms.evaluate import main as eval_main
-    except ImportError:
-        return _not_built("eval", "evaluation lands with issue 7")
+    from megatron_rl.algorithms.evaluate import main as eval_main
+
     return eval_main(args.rest)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    try:
-        from megatron_rl.weights.convert import main as convert_main
-    except ImportError:
-        return _not_built("convert", "the HF <-> Megatron conversion lands with issue 3")
+    from megatron_rl.weights.convert import main as convert_main
+
     return convert_main(args.rest)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    try:
-        from megatron_rl.plan import main as plan_main
-    except ImportError:
-        return _not_built("plan", "the cluster planner lands with issue 8")
+    from megatron_rl.plan import main as plan_main
+
     return plan_main(args.rest)
 
 
@@ -112,13 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megatron-rl",
         description="GRPO post-training on megatron-core (TP/PP/DP), vLLM rollouts and Ray.",
     )
+    ap.add_argument("--debug", action="store_true",
+                    help=f"show the traceback of a config/data/checkpoint error (or set {DEBUG_ENV}=1)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="run GRPO from a YAML config (re-running resumes from the last checkpoint)",
                        description="Run GRPO. Overrides are key.path=value, e.g. policy.tp=2 grpo.max_steps=5.")
     p.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml")
     p.add_argument("overrides", nargs="*", help="key.path=value overrides")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config against the model and tokenizer, print it resolved, then exit")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/checkpoint error")
     p.set_defaults(func=cmd_train)
 
     # The tools below parse their own flags (so each module owns its interface); `--help` is forwarded to them.
@@ -142,11 +154,22 @@ _PASSTHROUGH = {"eval": cmd_eval, "convert": cmd_convert, "plan": cmd_plan}
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _PASSTHROUGH:
-        # These tools own their flags (including --help); argparse's REMAINDER would swallow or reject them.
-        return int(_PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:])) or 0)
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    if argv and argv[0] == "--debug":  # the tools below parse their own flags: take it off before them
+        debug, argv = True, argv[1:]
+    try:
+        if argv and argv[0] in _PASSTHROUGH:
+            # These tools own their flags (including --help); argparse's REMAINDER would swallow or reject them.
+            return int(_PASSTHROUGH[argv[0]](argparse.Namespace(rest=argv[1:])) or 0)
+        args = build_parser().parse_args(argv)
+        debug = debug or args.debug
+        return int(args.func(args) or 0)
+    except Exception as e:
+        line = None if debug else user_error_line(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -303,20 +303,50 @@ def visible_devices() -> list[dict] | str:
         pynvml.nvmlShutdown()
 
 
-def device_telemetry(index: int = 0) -> dict:
-    """Per-step GPU metrics (`gpu_mem_used_gb`, `gpu_util`); empty on CPU so the keys are absent, not zero."""
+def device_telemetry() -> dict:
+    """Per-step GPU metrics, one set per device this process may use: `gpu{i}_util` (% of NVML's last sample
+    period), `gpu{i}_mem_used_gb` (GiB in use on the device, by any process) and `gpu{i}_power_w` (board power draw,
+    W), read when the step ends. `i` is the CUDA ordinal (the position in CUDA_VISIBLE_DEVICES when set). On CPU the
+    keys are absent, not zero."""
     if not get_platform().is_gpu:
         return {}
+    return nvml_readings()
+
+
+def _visible_handles(pynvml) -> list:
+    """NVML handles in CUDA ordinal order: CUDA_VISIBLE_DEVICES (indices or GPU-UUIDs) when set, else every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    out = []
+    for item in (v.strip() for v in visible.split(",") if v.strip()):
+        out.append(pynvml.nvmlDeviceGetHandleByUUID(item) if item.startswith(("GPU-", "MIG-"))
+                   else pynvml.nvmlDeviceGetHandleByIndex(int(item)))
+    return out
+
+
+def nvml_readings() -> dict:
+    """`device_telemetry`'s readings through nvidia-ml-py; {} when it or the NVIDIA driver is missing (CPU hosts)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        util = pynvml.nvmlDeviceGetUtilizationRates(h)
-        return {"gpu_mem_used_gb": mem.used / 2**30, "gpu_util": float(util.gpu)}
-    except Exception:
+    except Exception:  # ImportError, or NVMLError_LibraryNotFound / DriverNotLoaded on machines without a driver
         return {}
+    try:
+        out = {}
+        for i, h in enumerate(_visible_handles(pynvml)):
+            out[f"gpu{i}_util"] = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            out[f"gpu{i}_mem_used_gb"] = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
+            try:
+                out[f"gpu{i}_power_w"] = pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0  # NVML reports milliwatts
+            except pynvml.NVMLError:  # not every board reports its power draw
+                pass
+        return out
+    except (pynvml.NVMLError, ValueError):  # a device gone, or a CUDA_VISIBLE_DEVICES entry NVML does not know
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _malloc_trim() -> None:

@@ -42,17 +42,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides key.path=value")
     args = ap.parse_args(argv)
 
-    from megatron_rl.build import build_engine
     from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.data.datasets import load_dataset
-    from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.rewards.reward_fn import RewardFn
 
-    overrides = list(args.overrides) + [f"policy.model={args.model}"]
-    if args.jsonl:
-        overrides += ["data.source=jsonl", f"data.val_path={args.jsonl}", f"data.path={args.jsonl}"]
-    elif args.data:
-        overrides += ["data.source=reasoning_gym", f"data.task={args.data}"]
+    overrides = list(args.overrides) + eval_overrides(args.model, data=args.data, jsonl=args.jsonl)
     try:
         if args.config:
             cfg = load_config(args.config, overrides)
@@ -63,23 +55,45 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    tok = load_tokenizer(cfg.policy.tokenizer or args.model)
-    ds = load_dataset(cfg.data, tok, "val", size=args.num_prompts)
-    items = [it for it in (ds.item(i) for i in range(min(args.num_prompts, len(ds)))) if it is not None]
-    reward_fn = RewardFn(cfg.reward, cfg.data.source)
-    t0 = time.time()
-    gen = build_engine(cfg, args.model)
-    try:
-        result = evaluate(gen, items, reward_fn, tok, n=args.n,
-                          temperature=args.temperature if args.temperature is not None else cfg.generation.temperature,
-                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens)
-    finally:
-        gen.shutdown()
-        reward_fn.close()
-    result["seconds"] = round(time.time() - t0, 2)
+    result = evaluate_model(cfg, args.model, n=args.n, num_prompts=args.num_prompts, temperature=args.temperature)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+def eval_overrides(model: str, *, data: str | None = None, jsonl: str | None = None) -> list[str]:
+    """The config overrides that point an evaluation at `model` and, optionally, a task or a JSONL file."""
+    out = [f"policy.model={model}"]
+    if jsonl:
+        out += ["data.source=jsonl", f"data.val_path={jsonl}", f"data.path={jsonl}"]
+    elif data:
+        out += ["data.source=reasoning_gym", f"data.task={data}"]
+    return out
+
+
+def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: float | None = None) -> dict:
+    """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data`, with an in-process engine
+    (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
+    from megatron_rl.build import build_engine
+    from megatron_rl.data.datasets import load_dataset
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.rewards.reward_fn import RewardFn
+
+    tok = load_tokenizer(cfg.policy.tokenizer or model)
+    ds = load_dataset(cfg.data, tok, "val", size=num_prompts)
+    items = [it for it in (ds.item(i) for i in range(min(num_prompts, len(ds)))) if it is not None]
+    reward_fn = RewardFn(cfg.reward, cfg.data.source)
+    t0 = time.time()
+    gen = build_engine(cfg, model)
+    try:
+        result = evaluate(gen, items, reward_fn, tok, n=n,
+                          temperature=temperature if temperature is not None else cfg.generation.temperature,
+                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens)
+    finally:
+        gen.shutdown()
+        reward_fn.close()
+    result["seconds"] = round(time.time() - t0, 2)
+    return result

@@ -2,7 +2,8 @@
 
     megatron-rl train configs/demo_cpu.yaml [key=value ...]
 
-Re-running the same command resumes from the newest complete checkpoint under `<output.dir>/checkpoints`.
+Re-running the same command resumes from the newest intact checkpoint under `<output.dir>/checkpoints`, or says
+the run is already complete; a config that changes the run is refused (`algorithms/resume.py`).
 Who holds the device when (colocated), and the weight versions (each refit is the next one; a rollout with another
 version is refused): `algorithms/handover.py`. A step with no trainable group (dynamic sampling dropped them all) is
 logged as skipped and changes nothing; `grpo.max_empty_steps` of them in a row abort the run.
@@ -25,6 +26,7 @@ from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
+from megatron_rl.algorithms.trackers import start_trackers
 from megatron_rl.algorithms.tracking import Tracker
 from megatron_rl.config import Config, dump_yaml
 from megatron_rl.platform import device_telemetry
@@ -96,21 +98,8 @@ def _space_hint(root: Path, prev: Path | None) -> str:
     return ""
 
 
-def _remove_partial_checkpoints(root: Path) -> None:
-    """A run killed while saving leaves `step_N.tmp-XXXX` (never picked for resuming); remove it, so crashes do not
-    pile up dead checkpoint-sized directories. Only `.tmp-` dirs: an `.old-` dir may hold the only complete copy."""
-    for partial in sorted(root.glob("*.tmp-*")) if root.is_dir() else []:
-        if partial.is_dir():
-            print(f"[megatron-rl] removing partial checkpoint {partial} (a save was interrupted)", flush=True)
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def _resume(cfg: Config, c, root: Path) -> tuple[int, dict]:
-    """(the step to continue after, the driver state saved with it)."""
-    from megatron_rl.models.checkpoint import latest_checkpoint
-
-    _remove_partial_checkpoints(root)
-    latest = latest_checkpoint(root) if cfg.checkpoint.resume else None
+def _resume(cfg: Config, c, latest: Path | None) -> tuple[int, dict]:
+    """(the step to continue after, the driver state saved with it); `latest` as `resume.resume_point` chose it."""
     if latest is None:
         if cfg.init_from:  # a stage chain: start from the previous stage's weights, fresh optimizer and data
             c.handover.to_trainer()
@@ -250,13 +239,18 @@ def _split(batch, parts: int):
 
 
 def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:
+    from megatron_rl.algorithms.resume import resume_point
     from megatron_rl.build import build
 
     t_start = time.monotonic()
     out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, out / "config.yaml")
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    # before anything starts: the newest intact checkpoint, and a refusal if the config changed the run since
+    point = resume_point(cfg, out, root)
+    if point.checkpoint is not None and point.step >= cfg.grpo.max_steps:
+        print(f"[megatron-rl] already complete at step {point.step} ({point.checkpoint}); raise grpo.max_steps "
+              "to train further", flush=True)
+        return 0
     random.seed(cfg.grpo.seed)
     torch.manual_seed(cfg.grpo.seed)
     print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
@@ -272,13 +266,18 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     # replaces the handler with its own.
     signal.signal(signal.SIGTERM, _terminate)
     tracker = pipeline = None
+    finished = False
     try:
-        start, driver_state = _resume(cfg, c, root)
+        # after build()'s pre-flight checks: a config refused there never replaces the one the checkpoints were made
+        # with (resume_point compares against it)
+        dump_yaml(cfg, out / "config.yaml")
+        start, driver_state = _resume(cfg, c, point.checkpoint)
         if start > 0 or cfg.init_from:  # loaded a checkpoint or a previous stage's weights: the engine needs them
             c.handover.refit()
         c.handover.to_generator()
         tracker = Tracker(out, resume_step=start, total_steps=cfg.grpo.max_steps, tensorboard=cfg.logging.tensorboard,
-                          plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every)
+                          plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every,
+                          sinks=start_trackers(cfg, out))
         if start == 0 and c.val_items:
             base = _validate(cfg, c, t_start)
             tracker.log_validation(0, base)
@@ -333,12 +332,13 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
             if rec.get("staleness_max", 0) == 0:
                 check_mismatch(rec, cfg.grpo, step)
         _summary(cfg, tracker, out)
+        finished = True
         return 0
     finally:
         if pipeline is not None:
             pipeline.close()
         if tracker is not None:
-            tracker.close()
+            tracker.close(failed=not finished)
         c.shutdown()
 
 

@@ -1,4 +1,5 @@
-"""What a run leaves behind for people and tools: metrics.jsonl, TensorBoard events, PNG plots, a progress bar.
+"""What a run leaves behind for people and tools: metrics.jsonl, TensorBoard events, PNG plots, a progress bar, and
+the experiment trackers of `algorithms/trackers.py` (W&B, MLflow), which get every record metrics.jsonl gets.
 
 metrics.jsonl holds one flat JSON object per step (the contract's keys, DESIGN.md); resuming appends, after dropping
 lines for steps past the checkpoint the run resumed from, so the file always describes one consistent history.
@@ -9,6 +10,9 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Sequence
+
+from megatron_rl.algorithms.trackers import numeric_metrics
 
 # (title, keys) per panel; missing keys are skipped
 PLOTS = [
@@ -19,19 +23,25 @@ PLOTS = [
 ]
 
 
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, in order (empty when there is none)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class Tracker:
     def __init__(self, out_dir: str | Path, *, resume_step: int, total_steps: int, tensorboard: bool, plots: bool,
-                 progress: bool, plot_every: int = 1):
+                 progress: bool, plot_every: int = 1, sinks: Sequence = ()):
+        """sinks: started experiment trackers (`trackers.start_trackers`); closed by `close()`."""
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        self.sinks = list(sinks)
         self.history: list[dict] = []
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    if resume_step > 0 and rec.get("step", 0) <= resume_step:
-                        self.history.append(rec)
+            self.history = [r for r in read_metrics(self.dir) if resume_step > 0 and r.get("step", 0) <= resume_step]
             self._rewrite()
         self.plots, self.plot_every = plots, max(1, plot_every)
         self.tb = None
@@ -53,17 +63,24 @@ class Tracker:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         os.replace(tmp, self.path)
 
-    def log(self, rec: dict) -> None:
+    def _append(self, rec: dict) -> dict:
+        """Write one record to metrics.jsonl and hand the same record to TensorBoard and the trackers."""
         rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
         self.history.append(rec)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        step = rec["step"]
+        metrics = numeric_metrics(rec)
         if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)) and v is not None and k != "step":
-                    self.tb.add_scalar(k, v, step)
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, rec["step"])
             self.tb.flush()
+        for sink in self.sinks:
+            sink.log(rec["step"], metrics)
+        return rec
+
+    def log(self, rec: dict) -> None:
+        rec = self._append(rec)
+        step = rec["step"]
         if self.bar is not None:
             post = {"reward": f"{rec.get('reward_mean', 0):.3f}", "s/step": f"{rec.get('time_step_s', 0):.1f}"}
             if rec.get("val_accuracy") is not None:
@@ -75,10 +92,7 @@ class Tracker:
 
     def log_validation(self, step: int, vals: dict) -> None:
         """A validation-only record (e.g. the baseline before training): kept in the history for the plot."""
-        rec = {"step": step, **vals}
-        self.history.append(rec)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        self._append({"step": step, **vals})
 
     def plot(self) -> Path | None:
         import matplotlib
@@ -105,8 +119,17 @@ class Tracker:
         os.replace(tmp, out)
         return out
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """failed: the run stopped on an error (the trackers mark their run failed)."""
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        png = self.dir / "metrics.png"
+        plot = png if self.plots and png.is_file() else None
+        for sink in self.sinks:
+            try:
+                sink.finish(plot, failed)
+            except Exception as e:  # a tracker that cannot finish must not hide the run's own outcome
+                print(f"[megatron-rl] {type(sink).__name__} could not finish its run: {e}", flush=True)
+        self.sinks = []

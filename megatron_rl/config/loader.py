@@ -85,7 +85,9 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
         node = tree
         parts = key.strip().split(".")
         for p in parts[:-1]:
-            node = node.setdefault(p, {})
+            if node.get(p) is None:  # absent, or an optional section that is off (`wandb: null` in a saved config)
+                node[p] = {}
+            node = node[p]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key}: '{p}' is not a section")
         node[parts[-1]] = value

@@ -211,6 +211,26 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: bool = True
     dir: Optional[str] = None  # default: <output.dir>/checkpoints
+    # resuming with other data/model/algorithm/reward keys than the run's config.yaml is refused unless this is true
+    # (algorithms/resume.py lists the keys); grpo.max_steps may always change, to continue a finished run
+    allow_config_change: bool = False
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (extra: pip install -e '.[wandb]'); the run folder goes under <output.dir>/wandb."""
+    project: str = "megatron-rl"
+    name: Optional[str] = None  # default: the name of output.dir
+    mode: Literal["online", "offline"] = "online"  # offline: `wandb sync <run folder>` uploads later; off: no section
+    entity: Optional[str] = None  # default: your wandb default entity
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (extra: pip install -e '.[mlflow]')."""
+    tracking_uri: Optional[str] = None  # default: sqlite:///<output.dir>/mlflow.db, artifacts in <output.dir>/mlflow
+    experiment: str = "megatron-rl"
+    run_name: Optional[str] = None  # default: the name of output.dir
 
 
 @dataclass
@@ -219,6 +239,9 @@ class LoggingConfig:
     plots: bool = True
     plot_every: int = 1
     progress: bool = True
+    # experiment trackers beside metrics.jsonl/TensorBoard (algorithms/trackers.py); off unless the section is set
+    wandb: Optional[WandbConfig] = None
+    mlflow: Optional[MlflowConfig] = None
 
 
 @dataclass

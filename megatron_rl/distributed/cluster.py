@@ -36,6 +36,22 @@ def _local_auth() -> None:
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+# Imported opportunistically by libraries the workers load, though no worker logs to them (trackers run in the
+# driver): megatron-core's inference context imports wandb whenever it is installed (the `[wandb]` extra), which
+# costs ~0.5 s per worker and creates wandb's media/artifact temp dirs, left behind in /tmp by every actor Ray kills
+# (the soak test counts them as leaks).
+_WORKER_BLOCKED_IMPORTS = ("wandb",)
+
+
+def worker_process_setup() -> None:
+    """Ray's worker_process_setup_hook: runs in every worker process before it imports the actor's code. A None
+    entry in sys.modules makes `import wandb` raise ImportError, which those libraries treat as "not installed"."""
+    import sys
+
+    for name in _WORKER_BLOCKED_IMPORTS:
+        sys.modules.setdefault(name, None)
+
+
 def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
     import ray
 
@@ -43,7 +59,8 @@ def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: 
         return
     from megatron_rl.platform import get_platform
 
-    runtime_env = {"env_vars": get_platform().worker_env()}
+    runtime_env = {"env_vars": get_platform().worker_env(),
+                   "worker_process_setup_hook": "megatron_rl.distributed.cluster.worker_process_setup"}
     # Clusters that join an address keep whatever the operator configured (see README, "Ray authentication tokens").
     if cfg.ray_address is None:
         _local_auth()

@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import queue
+import re
 import shutil
 import tempfile
 import time
@@ -40,6 +41,7 @@ METADATA = "metadata.json"
 DIST_DIR = "dist"
 EXTRA_STATE = "extra_state.pt"
 HF_DIR = "hf"
+_STEP_DIR = re.compile(r"step_(\d+)")  # how the GRPO loop names its checkpoints
 
 
 class CheckpointError(ValueError):
@@ -246,10 +248,10 @@ def read_metadata(ckpt_dir: str | os.PathLike) -> dict:
     return meta
 
 
-def verify_checkpoint(ckpt_dir: str | os.PathLike, meta: dict | None = None) -> dict:
-    """Check every file listed in metadata.json against its size and sha256 (split across ranks when distributed)."""
+def checkpoint_problems(ckpt_dir: str | os.PathLike, meta: dict) -> list[str]:
+    """What is wrong with the files metadata.json lists (missing, wrong size, wrong sha256), each naming the file
+    and, for a size mismatch, both sizes; [] when all are intact. Split across ranks when distributed."""
     root = Path(ckpt_dir)
-    meta = meta or read_metadata(root)
     rank, world = _rank_world()
     names = sorted(meta["files"])
     problems = []
@@ -261,7 +263,14 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike, meta: dict | None = None) -> 
             problems.append(f"{path} has {path.stat().st_size} bytes, metadata.json says {want['bytes']}")
         elif sha256_file(path) != want["sha256"]:
             problems.append(f"{path} is corrupt (sha256 differs from metadata.json)")
-    problems = [p for part in _gather(problems) for p in part]
+    return [p for part in _gather(problems) for p in part]
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike, meta: dict | None = None) -> dict:
+    """Check every file listed in metadata.json against its size and sha256 (split across ranks when distributed)."""
+    root = Path(ckpt_dir)
+    meta = meta or read_metadata(root)
+    problems = checkpoint_problems(root, meta)
     if problems:
         raise CheckpointError(f"checkpoint {root} failed verification: " + "; ".join(problems))
     return meta
@@ -308,23 +317,54 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
         return False
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint under `root` with the highest step (partial `.tmp-` dirs and broken ones ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best: tuple[int, float, Path] | None = None
-    for child in root.iterdir():
+def _candidates(root: Path) -> list[tuple[int, float, Path, dict | None, str | None]]:
+    """(step, created, path, metadata or None, why the metadata is unusable or None) of every directory under root
+    that is or should be a checkpoint, newest first. Partial `.tmp-` and replaced `.old-` directories of an
+    interrupted save are never candidates; a `step_N` directory without a valid metadata.json is one (saves rename
+    a directory into place only after its metadata.json is written, so such a directory was damaged afterwards)."""
+    out = []
+    for child in root.iterdir() if root.is_dir() else []:
         if not child.is_dir() or ".tmp-" in child.name or ".old-" in child.name or child.name.startswith("."):
             continue
         try:
             meta = read_metadata(child)
-        except CheckpointError:
+        except CheckpointError as e:
+            m = _STEP_DIR.fullmatch(child.name)
+            if m:
+                out.append((int(m.group(1)), child.stat().st_mtime, child, None, str(e)))
             continue
-        key = (int(meta.get("step", 0)), float(meta.get("created", 0.0)), child)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return best[2] if best else None
+        out.append((int(meta.get("step", 0)), float(meta.get("created", 0.0)), child, meta, None))
+    return sorted(out, key=lambda c: c[:2], reverse=True)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint under `root` with the highest step (partial `.tmp-` dirs and broken ones ignored)."""
+    for _step, _created, path, meta, _why in _candidates(Path(root)):
+        if meta is not None:
+            return path
+    return None
+
+
+def newest_intact_checkpoint(root: str | os.PathLike, on_damaged=None) -> tuple[Path, dict] | None:
+    """(path, metadata) of the newest checkpoint under `root` whose files all match metadata.json; None when root
+    holds no checkpoint at all. Every newer one that does not is reported as `on_damaged(path, why)` (the files
+    and sizes at fault). When checkpoints exist but none is intact: CheckpointError naming each and its fault.
+    Reads every byte of the checkpoints it checks (sha256), newest first, stopping at the first intact one."""
+    root = Path(root)
+    damaged = []
+    for _step, _created, path, meta, why in _candidates(root):
+        if meta is not None:
+            problems = checkpoint_problems(path, meta)
+            if not problems:
+                return path, meta
+            why = "; ".join(problems)
+        damaged.append(f"{path} ({why})")
+        if on_damaged is not None:
+            on_damaged(path, why)
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint to resume from in {root}: {'; '.join(damaged)}. Move them "
+                              "aside (or set checkpoint.resume=false) to start from the initial weights")
+    return None
 
 
 def checkpoint_hf_config(ckpt_dir: str | os.PathLike) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     megatron-rl convert hf-to-megatron --hf DIR --out DIR [--tp N --pp M] [--dtype auto|fp32|bf16|fp16]
     megatron-rl convert megatron-to-hf --ckpt DIR --out DIR [--dtype auto|bf16|fp32|fp16] [--tp N --pp M]
+                                       [--max-shard-gb G]     # + tokenizer, chat template, model card (README.md)
 
 (the CLI delegates to `main(argv)`, argv starting with the direction; `python -m megatron_rl.weights.convert` too).
 
@@ -192,11 +193,14 @@ def _export_config(hf_config: dict, out_dtype: str) -> dict:
 
 def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, verify: bool = True) -> dict:
-    """Export a megatron-rl checkpoint to a normal HF folder `out` (config, safetensors, tokenizer, chat template)."""
+    """Export a megatron-rl checkpoint to a normal HF folder `out`: config.json, safetensors (shards of at most
+    max_shard_bytes with model.safetensors.index.json when there is more than one), the tokenizer and chat template,
+    generation_config.json and a README.md model card (`weights/model_card.py`)."""
     from megatron_rl.models.checkpoint import HF_DIR, read_metadata, verify_checkpoint
     from megatron_rl.models.hf_io import (copy_tokenizer_files, dtype_name, finalize_safetensors, publish_permissions,
                                           resolve_dtype)
     from megatron_rl.models.provider import model_spec
+    from megatron_rl.weights.model_card import model_card
 
     t0 = time.perf_counter()
     ckpt, out = resolve_checkpoint(ckpt), Path(out).absolute()
@@ -233,6 +237,9 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
                 cfg = meta["hf_config"]
                 gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
                 (tmp_path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+            # the model card: base model, step, and the recipe and metrics of the run the checkpoint belongs to
+            (tmp_path / "README.md").write_text(model_card(ckpt, meta, out.name, out_dtype))
+            files = files + ["README.md"]
             publish_permissions(tmp_path)
             os.replace(tmp_path, out)
         _barrier()
@@ -264,7 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="HF folder to create")
     b.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="dtype of the exported weights (auto: the original HF config's dtype)")
-    b.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1e9)
+    b.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1e9,
+                   help="largest safetensors file, in GB (more files get model.safetensors.index.json)")
     b.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
     for x in (a, b):
         x.add_argument("--tp", type=int, default=1, help="tensor-parallel processes doing the work")

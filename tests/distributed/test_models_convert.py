@@ -86,6 +86,15 @@ def test_round_trip_config_tokenizer_and_transformers_load(llama_round_trip):
         assert torch.equal(orig(ids).logits, loaded(ids).logits)
 
 
+def test_export_outside_a_run_gets_a_card_without_recipe(llama_round_trip):
+    # the checkpoint came from hf-to-megatron, not from a run's checkpoints/ folder: base and step only
+    root, _, to_hf = llama_round_trip
+    card = (root / "back" / "README.md").read_text()
+    assert "README.md" in to_hf["files"]
+    assert f"at step 0 (base: **{root / 'hf'}**" in card and "not inside a training run's folder" in card
+    assert "## Metrics" not in card and "## Recipe" not in card
+
+
 def test_qwen2_sharded_input_round_trip_and_bf16_export(qwen2_round_trip):
     root = qwen2_round_trip
     src, back, bf16 = _tensors(root / "hf"), _tensors(root / "back"), _tensors(root / "back_bf16")

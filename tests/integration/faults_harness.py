@@ -291,3 +291,22 @@ def leaked_shm(before: set[str], pids: set[int] = frozenset()) -> dict[str, list
         else:
             out["other"].append(path)
     return out
+
+
+@dataclass(frozen=True)
+class Finished:
+    rc: int
+    stdout: str
+    stderr: str
+    children: list[str]  # titles of every process the driver started (Ray's gcs_server, raylet, workers, ...)
+
+
+def run_to_exit(cmd: list[str], *, timeout: float = 180.0, env: dict | None = None) -> Finished:
+    """Run a CLI command to its end, recording every process it started (none when it stopped before Ray)."""
+    run = Run(cmd, env=env)
+    try:
+        rc = run.wait(timeout=timeout)
+        run._sample()
+        return Finished(rc, run.stdout, run.stderr, [p.title[:100] for p in run.processes()])
+    finally:
+        run.close()

@@ -53,7 +53,7 @@ def test_metrics_contract_and_outputs(full_run):
     for x in steps:
         missing = CONTRACT_KEYS - set(x)
         assert not missing, f"step {x['step']} lacks {missing}"
-        assert "gpu_util" not in x  # CPU: device telemetry keys are absent, not zero
+        assert not any(k.startswith("gpu") for k in x)  # CPU: device telemetry keys (gpu{i}_*) are absent, not zero
         assert 0.0 <= x["reward_mean"] <= 1.0 + 1e-6
         assert x["num_tokens"] > 0 and x["time_step_s"] > 0
         # the generator's logprobs and the trainer's agree closely after every refit (same weights, fp32)

@@ -117,6 +117,11 @@ def test_override_syntax():
     assert tree == {"a": {"keep": 1, "b": [1, 2], "c": None}, "d": True}
     with pytest.raises(ConfigError, match="key.path=value"):
         apply_overrides({}, ["policy.tp"])
+    # an optional section that is off (null, as a saved config.yaml writes it) is switched on by a key under it
+    tree = apply_overrides({"logging": {"wandb": None}}, ["logging.wandb.mode=offline"])
+    assert tree == {"logging": {"wandb": {"mode": "offline"}}}
+    with pytest.raises(ConfigError, match="'a' is not a section"):
+        apply_overrides({"a": 3}, ["a.b=1"])
 
 
 def test_scientific_notation_without_dot_is_a_float(tmp_path):

