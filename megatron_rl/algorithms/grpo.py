@@ -1,4 +1,4 @@
-"""The GRPO loop: a single controller over narrow interfaces (see DESIGN.md, "One GRPO step").
+"""The GRPO loop: a single controller over narrow interfaces (README, "Who holds the device").
 
     megatron-rl train configs/demo_cpu.yaml [key=value ...]
 

@@ -1,7 +1,7 @@
 """What a run leaves behind for people and tools: metrics.jsonl, TensorBoard events, PNG plots, a progress bar, and
 the experiment trackers of `algorithms/trackers.py` (W&B, MLflow), which get every record metrics.jsonl gets.
 
-metrics.jsonl holds one flat JSON object per step (the contract's keys, DESIGN.md); resuming appends, after dropping
+metrics.jsonl holds one flat JSON object per step (the keys `CONTRACT_KEYS` in tests/integration/test_grpo.py pins); resuming appends, after dropping
 lines for steps past the checkpoint the run resumed from, so the file always describes one consistent history.
 """
 from __future__ import annotations
