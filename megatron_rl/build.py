@@ -29,7 +29,7 @@ class Components:
     handover: object  # algorithms.handover.Handover: who holds the device
 
     def shutdown(self) -> None:
-        # vLLM first: Ray's shutdown otherwise leaks its /dev/shm segments (vLLM's shared-memory broadcaster outlives a killed actor)
+        # vLLM first: Ray's shutdown otherwise leaks vLLM's /dev/shm segments (its broadcaster outlives a killed actor)
         for part in (self.generator, self.policy):
             try:
                 part.shutdown()

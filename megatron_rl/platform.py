@@ -5,7 +5,7 @@ implementation of a device-specific piece to use (logprob kernel, refit transpor
 never branches on `torch.cuda.is_available()` itself.
 
 It also owns the small compatibility layer that lets unmodified megatron-core run on a CPU-only torch build (gloo).
-megatron-core assumes CUDA in a handful of places (listed at `install_megatron_cpu_compat`); `install_megatron_cpu_compat()` redirects
+megatron-core assumes CUDA in a handful of places (listed in `install_megatron_cpu_compat`), which redirects
 exactly those to the CPU and is a no-op when CUDA is present.
 """
 from __future__ import annotations
