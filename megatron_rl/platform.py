@@ -314,7 +314,9 @@ def device_telemetry() -> dict:
 
 
 def _visible_handles(pynvml) -> list:
-    """NVML handles in CUDA ordinal order: CUDA_VISIBLE_DEVICES (indices or GPU-UUIDs) when set, else every device."""
+    """NVML handles in CUDA ordinal order: CUDA_VISIBLE_DEVICES (indices or GPU-UUIDs) when set, else every device.
+    GPU-only: NVML needs the NVIDIA driver, so no CPU test reaches past nvmlInit (tests/unit/test_telemetry.py runs
+    the CPU branch, and its GPU test compares these keys with torch.cuda's device list where a GPU exists)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
@@ -325,28 +327,36 @@ def _visible_handles(pynvml) -> list:
     return out
 
 
-def nvml_readings() -> dict:
-    """`device_telemetry`'s readings through nvidia-ml-py; {} when it or the NVIDIA driver is missing (CPU hosts)."""
+def nvml_per_device(read) -> list:
+    """`read(pynvml, handle)` for every device this process may use, in CUDA ordinal order; [] when nvidia-ml-py
+    or the NVIDIA driver is missing (CPU hosts), a device is gone, or a CUDA_VISIBLE_DEVICES entry is unknown."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception:  # ImportError, or NVMLError_LibraryNotFound / DriverNotLoaded on machines without a driver
-        return {}
+        return []
     try:
-        out = {}
-        for i, h in enumerate(_visible_handles(pynvml)):
-            out[f"gpu{i}_util"] = float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
-            out[f"gpu{i}_mem_used_gb"] = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
-            try:
-                out[f"gpu{i}_power_w"] = pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0  # NVML reports milliwatts
-            except pynvml.NVMLError:  # not every board reports its power draw
-                pass
-        return out
-    except (pynvml.NVMLError, ValueError):  # a device gone, or a CUDA_VISIBLE_DEVICES entry NVML does not know
-        return {}
+        return [read(pynvml, h) for h in _visible_handles(pynvml)]
+    except (pynvml.NVMLError, ValueError):
+        return []
     finally:
         pynvml.nvmlShutdown()
+
+
+def _telemetry_of(pynvml, h) -> dict:
+    out = {"util": float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
+           "mem_used_gb": pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30}
+    try:
+        out["power_w"] = pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0  # NVML reports milliwatts
+    except pynvml.NVMLError:  # not every board reports its power draw
+        pass
+    return out
+
+
+def nvml_readings() -> dict:
+    """`device_telemetry`'s readings through nvidia-ml-py; {} on CPU hosts."""
+    return {f"gpu{i}_{k}": v for i, dev in enumerate(nvml_per_device(_telemetry_of)) for k, v in dev.items()}
 
 
 def _malloc_trim() -> None:

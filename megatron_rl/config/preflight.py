@@ -14,7 +14,6 @@ TP/PP against heads, KV heads, layers and devices are layout rules the loader al
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from megatron_rl.config.loader import ConfigError, resolve_model_dir
@@ -101,24 +100,15 @@ def _available_host_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _gpu_free_total(indices: list[int] | None) -> list[tuple[int, int]]:
-    """(free, total) bytes of the visible NVIDIA devices (by NVML index); [] when NVML cannot tell."""
-    try:
-        import pynvml
+def _gpu_free_total() -> list[tuple[int, int]]:
+    """(free, total) bytes of the devices this process may use; [] when NVML cannot tell."""
+    from megatron_rl.platform import nvml_per_device
 
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        out = []
-        for i in indices if indices is not None else range(pynvml.nvmlDeviceGetCount()):
-            mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
-            out.append((int(mem.free), int(mem.total)))
-        return out
-    except Exception:
-        return []
-    finally:
-        pynvml.nvmlShutdown()
+    def free_total(pynvml, h):
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return int(mem.free), int(mem.total)
+
+    return nvml_per_device(free_total)
 
 
 def cpu_memory_problem(engines: int, kv_mb: int, weight_bytes: float, available: int) -> str | None:
@@ -143,17 +133,6 @@ def gpu_memory_problem(utilization: float, devices: int, free_total: list[tuple[
             f"have that (free/total GiB: {free}); lower it or free the GPUs")
 
 
-def _visible_gpu_indices() -> list[int] | None:
-    """NVML indices of CUDA_VISIBLE_DEVICES (None: all); UUID lists are not mapped (the check is skipped)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None:
-        return None
-    try:
-        return [int(x) for x in env.split(",") if x.strip()]
-    except ValueError:
-        return []
-
-
 def check_generation_memory(cfg: Config, spec) -> None:
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.plan_model import vllm_weight_bytes
@@ -164,9 +143,7 @@ def check_generation_memory(cfg: Config, spec) -> None:
         return
     plat, layout = get_platform(), layout_of(cfg)
     if plat.is_gpu:
-        indices = _visible_gpu_indices()
-        problem = gpu_memory_problem(cfg.generation.gpu_memory_utilization, layout.gen_devices,
-                                     _gpu_free_total(indices) if indices != [] else [])
+        problem = gpu_memory_problem(cfg.generation.gpu_memory_utilization, layout.gen_devices, _gpu_free_total())
     else:
         itemsize = plat.resolve_dtype(cfg.generation.precision).itemsize  # vllm_weight_bytes counts 2-byte weights
         weights = vllm_weight_bytes(spec, cfg.generation.tp) * itemsize / 2
