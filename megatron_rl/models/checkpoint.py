@@ -207,7 +207,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
                 "model_spec": spec.to_dict() if spec is not None else None,
                 "params_dtype": str(gpt.config.params_dtype).replace("torch.", ""),
                 "layout": {"tp": ps.get_tensor_model_parallel_world_size(),
-                           "pp": ps.get_pipeline_model_parallel_world_size(), "world_size": world},
+                           "pp": ps.get_pipeline_model_parallel_world_size(),
+                           "ep": ps.get_expert_model_parallel_world_size(), "world_size": world},
                 "extra_sharded_keys": sorted(extra_sharded_state or {}),
                 "files": files,
             }

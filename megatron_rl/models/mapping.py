@@ -23,6 +23,12 @@ transformer-engine spec fuses them into `linear_qkv.layer_norm_weight` / `linear
 
 Pipeline stages own layers [offset, offset + n_local); megatron names are local (`decoder.layers.{j}`), HF names use
 the global index. With a live model the global index comes from each layer's `layer_number`, so uneven splits work.
+
+MoE layers (Qwen3-MoE, Mixtral): the router (`mlp.router.weight`, replicated) and, per expert, an fc1 (gate ‖ up,
+kind fc1) and fc2 (kind row) under `mlp.experts.local_experts.{j}` (megatron's SequentialMLP), split over TP like a
+dense MLP. Expert parallelism gives EP rank r the global experts [r*n, (r+1)*n), n = experts / ep, as local j = e - r*n;
+the HF side always names the global expert, with the on-disk per-expert keys (`HF_MOE_NAMES`). Qwen3's q/k norms are
+one [head_dim] weight each (`self_attention.{q,k}_layernorm`), replicated.
 """
 from __future__ import annotations
 
@@ -39,22 +45,51 @@ HF_LAYER = "model.layers.{i}."
 
 @dataclass(frozen=True)
 class Entry:
-    mcore: str  # megatron name under the local spec ("{i}" = local layer index)
+    mcore: str  # megatron name under the local spec ("{i}" = local layer index, "{j}" = local expert index)
     hf: tuple[str, ...]  # HF name(s) ("{i}" = global layer index); several for fused tensors
     kind: str  # replicated | column | row | vocab | qkv | fc1
     scope: str  # "layer", "first" (embedding stage) or "last" (output stage)
     te_mcore: str | None = None  # name under the transformer-engine spec when it differs
+    expert: int | None = None  # global expert index of an expert weight (sharded over EP, and over expert-TP)
 
-    def mcore_name(self, layer_spec: str, i: int | None = None) -> str:
+    def mcore_name(self, layer_spec: str, i: int | None = None, j: int | None = None) -> str:
         name = self.te_mcore if (layer_spec == "te" and self.te_mcore) else self.mcore
-        return name.format(i=i) if i is not None else name
+        return name.format(i=i, j=j) if i is not None else name
 
     def hf_names(self, i: int | None = None) -> list[str]:
         return [n.format(i=i) for n in self.hf] if i is not None else list(self.hf)
 
 
+# HF names of an MoE block, per architecture: the router and each expert's gate / up / down projections as saved on
+# disk (transformers 5 fuses the experts in memory but saves and loads these per-expert tensors; vLLM reads them too)
+HF_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+}
+
+
+def _mlp_entries(spec: ModelSpec) -> list[Entry]:
+    m = "mlp."
+    if spec.moe is None:
+        return [
+            Entry(LAYER + "mlp.linear_fc1.weight",
+                  (HF_LAYER + m + "gate_proj.weight", HF_LAYER + m + "up_proj.weight"), "fc1", "layer"),
+            Entry(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + m + "down_proj.weight",), "row", "layer"),
+        ]
+    router, expert, (gate, up, down) = HF_MOE_NAMES[spec.model_type]
+    # the router is replicated over TP (megatron's TopKRouter holds the full [experts, hidden] weight)
+    out = [Entry(LAYER + "mlp.router.weight", (HF_LAYER + router,), "replicated", "layer")]
+    local = LAYER + "mlp.experts.local_experts.{j}."
+    for e in range(spec.moe.num_experts):
+        x = HF_LAYER + expert.replace("{e}", str(e))
+        out += [Entry(local + "linear_fc1.weight", (x + gate + ".weight", x + up + ".weight"), "fc1", "layer",
+                      expert=e),
+                Entry(local + "linear_fc2.weight", (x + down + ".weight",), "row", "layer", expert=e)]
+    return out
+
+
 def mapping_table(spec: ModelSpec) -> list[Entry]:
-    a, m = "self_attn.", "mlp."
+    a = "self_attn."
     table = [Entry("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "first")]
     table += [
         Entry(LAYER + "input_layernorm.weight", (HF_LAYER + "input_layernorm.weight",), "replicated", "layer",
@@ -65,13 +100,15 @@ def mapping_table(spec: ModelSpec) -> list[Entry]:
     if spec.qkv_bias:
         table.append(Entry(LAYER + "self_attention.linear_qkv.bias",
                            tuple(HF_LAYER + a + p + "_proj.bias" for p in "qkv"), "qkv", "layer"))
+    if spec.qk_norm:  # one [head_dim] weight shared by all heads, so replicated over TP
+        table += [Entry(LAYER + f"self_attention.{p}_layernorm.weight", (HF_LAYER + a + f"{p}_norm.weight",),
+                        "replicated", "layer") for p in "qk"]
     table += [
         Entry(LAYER + "self_attention.linear_proj.weight", (HF_LAYER + a + "o_proj.weight",), "row", "layer"),
+        # the TE spec fuses this norm into a dense fc1; an MoE layer keeps it separate under both specs
         Entry(LAYER + "pre_mlp_layernorm.weight", (HF_LAYER + "post_attention_layernorm.weight",), "replicated",
-              "layer", te_mcore=LAYER + "mlp.linear_fc1.layer_norm_weight"),
-        Entry(LAYER + "mlp.linear_fc1.weight", (HF_LAYER + m + "gate_proj.weight", HF_LAYER + m + "up_proj.weight"),
-              "fc1", "layer"),
-        Entry(LAYER + "mlp.linear_fc2.weight", (HF_LAYER + m + "down_proj.weight",), "row", "layer"),
+              "layer", te_mcore=None if spec.moe else LAYER + "mlp.linear_fc1.layer_norm_weight"),
+        *_mlp_entries(spec),
         Entry("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "last"),
     ]
     if not spec.tied_embeddings:
@@ -86,11 +123,21 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     per = {
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
+        "self_attn.o_proj.weight": (h, q),
     }
+    if spec.moe is None:
+        per.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
+    else:
+        router, expert, (gate, up, down) = HF_MOE_NAMES[spec.model_type]
+        fe = spec.moe.ffn_hidden_size
+        per[router] = (spec.moe.num_experts, h)
+        for e in range(spec.moe.num_experts):
+            x = expert.replace("{e}", str(e))
+            per.update({f"{x}{gate}.weight": (fe, h), f"{x}{up}.weight": (fe, h), f"{x}{down}.weight": (h, fe)})
     if spec.qkv_bias:
         per.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if spec.qk_norm:
+        per.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     out = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(spec.num_layers):
         out.update({f"model.layers.{i}.{k}": s for k, s in per.items()})
@@ -180,57 +227,78 @@ def _stage_entries(spec: ModelSpec, first: bool, last: bool):
             [e for e in table if e.scope == "last" and last])
 
 
+def expert_owner(spec: ModelSpec, expert: int, ep_size: int) -> tuple[int, int]:
+    """(EP rank, local index) of a global expert: megatron gives EP rank r experts [r*n, (r+1)*n), n = experts/ep."""
+    n = spec.moe.num_experts // ep_size
+    return expert // n, expert % n
+
+
+def _layer_items(layer_entries, spec: ModelSpec, layer_spec: str, j: int, i: int, ep_rank: int, ep_size: int):
+    """(entry, megatron name, HF names) of local layer j (global i), restricted to the experts EP rank owns."""
+    items = []
+    for e in layer_entries:
+        if e.expert is None:
+            items.append((e, e.mcore_name(layer_spec, j), e.hf_names(i)))
+            continue
+        owner, local = expert_owner(spec, e.expert, ep_size)
+        if owner == ep_rank:
+            items.append((e, e.mcore_name(layer_spec, j, local), e.hf_names(i)))
+    return items
+
+
+def _stage_items(spec: ModelSpec, pp_rank: int, pp_size: int, layer_spec: str, ep_rank: int = 0, ep_size: int = 1):
+    """Everything rank (pp_rank, ep_rank) of an evenly split model holds, as (entry, megatron name, HF names)."""
+    pre, layer_entries, post = _stage_entries(spec, pp_rank == 0, pp_rank == pp_size - 1)
+    items = [(e, e.mcore_name(layer_spec), e.hf_names()) for e in pre]
+    for j, i in enumerate(layer_range(spec.num_layers, pp_size, pp_rank)):
+        items += _layer_items(layer_entries, spec, layer_spec, j, i, ep_rank, ep_size)
+    return items + [(e, e.mcore_name(layer_spec), e.hf_names()) for e in post]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # import: HF → one rank's megatron state
 # ----------------------------------------------------------------------------------------------------------------
 
 def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int, tp_size: int,
-                         pp_rank: int, pp_size: int, *, layer_spec: str = "local",
-                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """HF state (any mapping, e.g. a lazy HFCheckpoint) → the megatron state dict of rank (tp_rank, pp_rank).
+                         pp_rank: int, pp_size: int, *, ep_rank: int = 0, ep_size: int = 1,
+                         layer_spec: str = "local", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF state (any mapping, e.g. a lazy HFCheckpoint) → the megatron state dict of rank (tp, pp, ep).
 
     Tied models: the last stage's output_layer.weight is the (padded) embedding, as megatron keeps a copy there when
-    the embedding lives on another stage.
+    the embedding lives on another stage. Experts shard over TP like a dense MLP (expert-TP = TP).
     """
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
-    pre, layer_entries, post = _stage_entries(spec, first, last)
     out: dict[str, torch.Tensor] = {}
 
     def put(entry: Entry, name: str, hf_names: list[str]):
         t = to_megatron(entry, [hf_state[n] for n in hf_names], spec, tp_rank, tp_size)
         out[name] = t.to(dtype) if dtype is not None else t
 
-    for e in pre:
-        put(e, e.mcore_name(layer_spec), e.hf_names())
-    for j, i in enumerate(layer_range(spec.num_layers, pp_size, pp_rank)):
-        for e in layer_entries:
-            put(e, e.mcore_name(layer_spec, j), e.hf_names(i))
-    for e in post:
-        put(e, e.mcore_name(layer_spec), e.hf_names())
-    if last and spec.tied_embeddings and not first:
+    for e, name, hf_names in _stage_items(spec, pp_rank, pp_size, layer_spec, ep_rank, ep_size):
+        put(e, name, hf_names)
+    if pp_rank == pp_size - 1 and spec.tied_embeddings and pp_rank != 0:
         tied = Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last")
         put(tied, tied.mcore, tied.hf_names())
     return out
 
 
 def megatron_shards_to_hf(shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], spec: ModelSpec, *,
-                          layer_spec: str = "local") -> dict[str, torch.Tensor]:
-    """Merge per-rank megatron state dicts `shards[pp_rank][tp_rank]` (single process) into one HF state dict."""
+                          layer_spec: str = "local", ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Merge per-rank megatron state dicts (single process) into one HF state dict. `shards[pp_rank]` lists the
+    stage's ranks in megatron order, TP fastest: index ep_rank * tp + tp_rank."""
     pp_size = len(shards)
     out: dict[str, torch.Tensor] = {}
     for pp_rank, stage in enumerate(shards):
-        pre, layer_entries, post = _stage_entries(spec, pp_rank == 0, pp_rank == pp_size - 1)
-        for e, name, hf_names in (
-            [(e, e.mcore_name(layer_spec), e.hf_names()) for e in pre]
-            + [(e, e.mcore_name(layer_spec, j), e.hf_names(i))
-               for j, i in enumerate(layer_range(spec.num_layers, pp_size, pp_rank)) for e in layer_entries]
-            + [(e, e.mcore_name(layer_spec), e.hf_names()) for e in post]
-        ):
-            missing = [r for r, sd in enumerate(stage) if name not in sd]
-            if missing:
-                raise KeyError(f"megatron tensor {name!r} missing from pp={pp_rank} tp={missing}")
-            for hf_name, t in zip(hf_names, to_hf(e, [sd[name] for sd in stage], spec)):
-                out[hf_name] = t
+        tp = len(stage) // ep_size
+        for ep_rank in range(ep_size):
+            group = stage[ep_rank * tp:(ep_rank + 1) * tp]
+            for e, name, hf_names in _stage_items(spec, pp_rank, pp_size, layer_spec, ep_rank, ep_size):
+                if ep_rank and e.expert is None:
+                    continue  # replicated over EP: taken from EP rank 0
+                missing = [r for r, sd in enumerate(group) if name not in sd]
+                if missing:
+                    raise KeyError(f"megatron tensor {name!r} missing from pp={pp_rank} ep={ep_rank} tp={missing}")
+                for hf_name, t in zip(hf_names, to_hf(e, [sd[name] for sd in group], spec)):
+                    out[hf_name] = t
     return out
 
 
@@ -250,16 +318,25 @@ def detect_layer_spec(model) -> str:
     return "te" if any(n.endswith("linear_qkv.layer_norm_weight") for n in names) else "local"
 
 
-def _model_entries(model, spec: ModelSpec, layer_spec: str):
+def _model_entries(model, spec: ModelSpec, layer_spec: str, ep_rank: int = 0, ep_size: int = 1):
     """(entry, megatron param name, HF names) for every weight this rank's model holds, in HF order."""
     gpt = unwrap_model(model)
     pre, layer_entries, post = _stage_entries(spec, gpt.pre_process, gpt.post_process)
     items = [(e, e.mcore_name(layer_spec), e.hf_names()) for e in pre]
     for j, layer in enumerate(gpt.decoder.layers):
         i = layer.layer_number - 1  # layer_number is global and 1-based
-        items += [(e, e.mcore_name(layer_spec, j), e.hf_names(i)) for e in layer_entries]
+        items += _layer_items(layer_entries, spec, layer_spec, j, i, ep_rank, ep_size)
     items += [(e, e.mcore_name(layer_spec), e.hf_names()) for e in post]
     return items
+
+
+def _ep_coords(spec: ModelSpec) -> tuple[int, int]:
+    """(EP rank, EP size) of this process for an MoE model; (0, 1) for dense models or without parallel state."""
+    from megatron.core import parallel_state as ps
+
+    if spec.moe is None or not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
 
 
 def load_hf_into_model(model, hf_state: Mapping[str, torch.Tensor], spec: ModelSpec | None = None,
@@ -273,7 +350,7 @@ def load_hf_into_model(model, hf_state: Mapping[str, torch.Tensor], spec: ModelS
     tp_size = ps.get_tensor_model_parallel_world_size() if tp_size is None else tp_size
     layer_spec = detect_layer_spec(gpt)
     params = dict(gpt.named_parameters())
-    items = _model_entries(gpt, spec, layer_spec)
+    items = _model_entries(gpt, spec, layer_spec, *_ep_coords(spec))
     if gpt.post_process and spec.tied_embeddings and not gpt.pre_process:
         items.append((Entry("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last"),
                       "output_layer.weight", ["model.embed_tokens.weight"]))
@@ -291,30 +368,54 @@ def load_hf_into_model(model, hf_state: Mapping[str, torch.Tensor], spec: ModelS
 
 def iter_hf_tensors(model, spec: ModelSpec | None = None, *, tp_group=None,
                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every weight this rank's pipeline stage owns, in HF order.
+    """Yield (HF name, full tensor) for every weight this rank's pipeline stage owns, in HF order (MoE: a layer's
+    experts in EP-gather order, each once).
 
-    Collective over the tensor-parallel group: every TP rank of the stage must iterate in lock-step (they all get the
-    same full tensors). Tied models yield `model.embed_tokens.weight` from the first stage only. Tensors are fresh
-    (gathered or cloned), so the caller may keep or cast them.
+    Collective over the tensor-parallel group, and for MoE experts over the expert-TP and expert-parallel groups:
+    every rank of the stage must iterate in lock-step (they all get the same full tensors, all experts included, so
+    any one of them can export the stage). Tied models yield `model.embed_tokens.weight` from the first stage only.
+    Tensors are fresh (gathered or cloned), so the caller may keep or cast them.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     gpt = unwrap_model(model)
     spec = spec or gpt.megatron_rl_spec
-    if tp_group is None and dist.is_initialized() and ps.model_parallel_is_initialized():
+    parallel = dist.is_initialized() and ps.model_parallel_is_initialized()
+    if tp_group is None and parallel:
         tp_group = ps.get_tensor_model_parallel_group()
-    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    ep_rank, ep = _ep_coords(spec)
+    # experts shard over the expert-TP group (megatron's expert_tensor_parallel_size, = TP here) and the EP group
+    etp_group = ps.get_expert_tensor_parallel_group() if spec.moe is not None and parallel else tp_group
+    ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+    by_expert = {(e.mcore, e.expert): e for e in mapping_table(spec) if e.expert is not None}
     params = dict(gpt.named_parameters())
-    for e, name, hf_names in _model_entries(gpt, spec, detect_layer_spec(gpt)):
+    for e, name, hf_names in _model_entries(gpt, spec, detect_layer_spec(gpt), ep_rank, ep):
+        group = etp_group if e.expert is not None else tp_group
+        size = dist.get_world_size(group) if group is not None else 1
         local = params[name].detach()
         if e.kind == "replicated":
             shards = [local.clone()]  # to_hf returns it as is: never hand out the live parameter
-        elif tp == 1:
+        elif size == 1:
             shards = [local]  # to_hf concatenates, which copies
         else:
             local = local.contiguous()
-            shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local, group=tp_group)  # parameter shards: on the model's (the group's) device
-        for hf_name, t in zip(hf_names, to_hf(e, shards, spec)):
-            yield hf_name, (t.to(dtype) if dtype is not None else t)
+            shards = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(shards, local, group=group)  # parameter shards: on the model's (the group's) device
+        full = to_hf(e, shards, spec)
+        if e.expert is None or ep == 1:
+            owned = [(hf_names, full)]
+        else:  # every EP rank holds its own experts at this local index: gather them all (the same on every rank)
+            layer_i = int(name.split(".")[2])
+            i = gpt.decoder.layers[layer_i].layer_number - 1
+            _, j = expert_owner(spec, e.expert, ep)
+            owned = []
+            for k, t in enumerate(full):
+                parts = [torch.empty_like(t) for _ in range(ep)]
+                dist.all_gather(parts, t.contiguous(), group=ep_group)  # model tensors: the group's device
+                for r, part in enumerate(parts):
+                    other = by_expert[(e.mcore, r * (spec.moe.num_experts // ep) + j)]
+                    owned.append(([other.hf_names(i)[k]], [part]))
+        for names, tensors in owned:
+            for hf_name, t in zip(names, tensors):
+                yield hf_name, (t.to(dtype) if dtype is not None else t)

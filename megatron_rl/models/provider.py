@@ -1,6 +1,8 @@
-"""HF config.json → megatron-core `TransformerConfig` + `GPTModel` for the Llama family.
+"""HF config.json → megatron-core `TransformerConfig` + `GPTModel` for the Llama family and its MoE variants.
 
-Supported: Llama-2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral (optional sliding window), Qwen2/2.5 (QKV bias).
+Supported: Llama-2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral (optional sliding window), Qwen2/2.5 (QKV bias),
+Qwen3 (per-head q/k RMSNorm → megatron's qk_layernorm), and the mixture-of-experts models Qwen3-MoE and Mixtral
+(softmax top-k router, SwiGLU experts, no token dropping; experts sharded by global index over expert parallelism).
 `ModelSpec` is the one summary of an architecture that the mapping, planner and policy worker read; `build_model`
 makes the rank's `GPTModel` from it.
 
@@ -25,6 +27,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": ("llama",),
     "MistralForCausalLM": ("mistral",),
     "Qwen2ForCausalLM": ("qwen2",),
+    "Qwen3ForCausalLM": ("qwen3",),
+    "Qwen3MoeForCausalLM": ("qwen3_moe",),
+    "MixtralForCausalLM": ("mixtral",),
 }
 VOCAB_PAD_MULTIPLE = 128
 
@@ -42,6 +47,16 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rotary_percent: float = 1.0  # HF partial_rotary_factor
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a model (every decoder layer is an MoE layer; no shared experts)."""
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int  # per expert
+    norm_topk_prob: bool  # renormalise the top-k softmax probabilities to sum to 1 (Mixtral always does)
+    aux_loss_coeff: float  # the HF config's router_aux_loss_coef (used only when the load-balancing loss is on)
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,8 @@ class ModelSpec:
     rope: RopeSpec
     max_position_embeddings: int
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
+    moe: MoESpec | None = None  # None: a dense model
     dtype: str = "float32"  # the HF checkpoint's declared dtype
     tp: int = 1  # the TP size padded_vocab refers to
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
@@ -86,32 +103,53 @@ class ModelSpec:
     def qkv_rows(self) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def validate_parallel(self, tp: int, pp: int) -> None:
-        """Raise if this model cannot be split into tp x pp (the local layer spec needs whole heads/groups per rank)."""
+    def validate_parallel(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise if this model cannot be split into tp x pp x ep (the local layer spec needs whole heads/groups per
+        rank; expert parallelism needs whole experts per rank, and experts shard their FFN over TP too)."""
         problems = []
+        if ep > 1 and self.moe is None:
+            problems.append(f"expert parallelism ep={ep} needs a mixture-of-experts model")
+        if self.moe is not None:
+            if self.moe.num_experts % ep:
+                problems.append(f"num_experts={self.moe.num_experts} is not divisible by ep={ep}")
+            if self.moe.ffn_hidden_size % tp:
+                problems.append(f"expert ffn size {self.moe.ffn_hidden_size} is not divisible by tp={tp}")
         if self.num_heads % tp:
             problems.append(f"num_attention_heads={self.num_heads} is not divisible by tp={tp}")
         if self.num_kv_heads % tp:
             problems.append(f"num_key_value_heads={self.num_kv_heads} is not divisible by tp={tp}")
-        if self.ffn_hidden_size % tp:
+        if self.moe is None and self.ffn_hidden_size % tp:
             problems.append(f"intermediate_size={self.ffn_hidden_size} is not divisible by tp={tp}")
         if self.num_layers % pp:
             problems.append(f"num_hidden_layers={self.num_layers} is not divisible by pp={pp}")
         if problems:
-            raise ValueError(f"{self.architecture} cannot be split tp={tp} pp={pp}: " + "; ".join(problems))
+            raise ValueError(f"{self.architecture} cannot be split tp={tp} pp={pp} ep={ep}: " + "; ".join(problems))
 
     def num_parameters(self, padded: bool = False) -> int:
         """Parameter count (the planner's memory model uses it); padded=True counts the padded vocab rows."""
         v = self.padded_vocab if padded else self.vocab_size
         h, f = self.hidden_size, self.ffn_hidden_size
         attn = h * self.qkv_rows + self.num_heads * self.head_dim * h + (self.qkv_rows if self.qkv_bias else 0)
-        layer = attn + 3 * h * f + 2 * h
+        attn += 2 * self.head_dim if self.qk_norm else 0
+        if self.moe is None:
+            mlp = 3 * h * f
+        else:  # router + experts
+            mlp = self.moe.num_experts * (h + 3 * h * self.moe.ffn_hidden_size)
+        layer = attn + mlp + 2 * h
         return self.num_layers * layer + v * h * (1 if self.tied_embeddings else 2) + h
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.pop("hf_config")
         return d
+
+    @property
+    def num_active_parameters(self) -> int:
+        """Parameters one token passes through (MoE: top-k experts of each layer); the dense count otherwise."""
+        if self.moe is None:
+            return self.num_parameters()
+        idle = self.moe.num_experts - self.moe.topk
+        return self.num_parameters() - self.num_layers * idle * 3 * self.hidden_size * self.moe.ffn_hidden_size
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -182,22 +220,22 @@ def model_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
     if heads % kv_heads:
         raise UnsupportedModelError(f"{label}: num_attention_heads={heads} not a multiple of num_key_value_heads={kv_heads}")
 
-    if model_type == "qwen2":
-        qkv_bias = True  # Qwen2 hard-codes bias on q/k/v and none elsewhere
-        window = int(cfg["sliding_window"]) if cfg.get("use_sliding_window") else None
-        if window is not None:
-            # Qwen2 applies the window only above max_window_layers; megatron's window applies to all layers.
-            raise UnsupportedModelError(f"{label}: Qwen2 with use_sliding_window=true is not supported")
+    qkv_bias = model_type == "qwen2"  # Qwen2 hard-codes bias on q/k/v and none elsewhere
+    if model_type != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise UnsupportedModelError(
+            f"{label}: attention_bias/mlp_bias are not supported for {arch} (megatron cannot bias o_proj "
+            "without biasing the MLP too)")
+    if model_type.startswith("qwen"):
+        if cfg.get("use_sliding_window"):
+            # Qwen applies the window only above max_window_layers; megatron's window applies to all layers.
+            raise UnsupportedModelError(f"{label}: {arch} with use_sliding_window=true is not supported")
+        window = None
     else:
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise UnsupportedModelError(
-                f"{label}: attention_bias/mlp_bias are not supported for {arch} (megatron cannot bias o_proj "
-                "without biasing the MLP too)")
-        qkv_bias = False
-        window = cfg.get("sliding_window") if model_type == "mistral" else None
+        window = cfg.get("sliding_window") if model_type in ("mistral", "mixtral") else None
         window = int(window) if window else None
     if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]) and window is None:
         raise UnsupportedModelError(f"{label}: per-layer attention types {set(cfg['layer_types'])} are not supported")
+    moe = _moe_from_config(cfg, model_type, label)
 
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return ModelSpec(
@@ -206,22 +244,50 @@ def model_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
         vocab_size=int(cfg["vocab_size"]), tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=_rope_from_config(cfg, label),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), sliding_window=window,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), moe=moe,
         dtype=str(dtype).replace("torch.", ""), tp=tp, hf_config=cfg,
     )
+
+
+def _moe_from_config(cfg: dict, model_type: str, label: str) -> MoESpec | None:
+    """The MoE fields of a Qwen3-MoE or Mixtral config (None for dense models); layouts we cannot mirror are named."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return None
+    # Qwen3MoeConfig calls it num_experts, and saves it as num_local_experts (Mixtral's spelling): accept both
+    n = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not n:
+        raise UnsupportedModelError(f"{label}: {model_type} config names no expert count (num_experts / "
+                                    "num_local_experts)")
+    if model_type == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+            raise UnsupportedModelError(
+                f"{label}: mixed dense/MoE layers (mlp_only_layers={cfg.get('mlp_only_layers')}, "
+                f"decoder_sparse_step={cfg.get('decoder_sparse_step')}) are not supported; every layer must be MoE")
+        ffn, norm_topk = int(cfg["moe_intermediate_size"]), bool(cfg.get("norm_topk_prob", False))
+    else:  # Mixtral: the expert width is intermediate_size, and the top-k probabilities are always renormalised
+        ffn, norm_topk = int(cfg["intermediate_size"]), True
+    if cfg.get("router_jitter_noise"):
+        raise UnsupportedModelError(f"{label}: router_jitter_noise={cfg['router_jitter_noise']} is not supported "
+                                    "(the generator has no jitter, so training with it would be off-policy)")
+    return MoESpec(num_experts=int(n), topk=int(cfg.get("num_experts_per_tok") or 2), ffn_hidden_size=ffn,
+                   norm_topk_prob=norm_topk, aux_loss_coeff=float(cfg.get("router_aux_loss_coef") or 0.0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # megatron-core config and model
 # ----------------------------------------------------------------------------------------------------------------
 
-def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
-                       use_cpu_initialization: bool | None = None, init_weights: bool = True, **overrides):
-    """megatron-core TransformerConfig equivalent to the HF model; `overrides` go straight to TransformerConfig."""
+def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                       params_dtype: torch.dtype = torch.float32, use_cpu_initialization: bool | None = None,
+                       init_weights: bool = True, **overrides):
+    """megatron-core TransformerConfig equivalent to the HF model; `overrides` go straight to TransformerConfig
+    (e.g. moe_router_load_balancing_type="aux_loss" turns the router's load-balancing loss on, at the HF config's
+    router_aux_loss_coef unless moe_aux_loss_coeff is given too)."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron_rl.platform import get_platform
 
-    spec.validate_parallel(tp, pp)
+    spec.validate_parallel(tp, pp, ep)
     if use_cpu_initialization is None:
         use_cpu_initialization = not get_platform().is_gpu
     kwargs = dict(
@@ -241,8 +307,33 @@ def transformer_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, params_dtyp
     if spec.sliding_window is not None:
         # HF lets query i see keys j with i - j < window; megatron's window_size=(left, right) allows i - j <= left.
         kwargs["window_size"] = (spec.sliding_window - 1, 0)
+    if spec.qk_norm:
+        kwargs["qk_layernorm"] = True  # per-head RMSNorm over head_dim (kv_channels), eps = layernorm_epsilon
+    if spec.moe is not None:
+        kwargs.update(_moe_config(spec.moe, ep))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_config(moe: MoESpec, ep: int) -> dict:
+    """TransformerConfig fields of an HF softmax-top-k MoE block.
+
+    Routing: HF takes softmax over all experts, then the top k, renormalised when norm_topk_prob. megatron's default
+    (topk on the logits, then softmax over those k) is that renormalised form; moe_router_pre_softmax=True (softmax
+    over all, then top k, no renormalisation) is the other. The router runs in fp32 as HF's does. No token dropping
+    (capacity factor None), as HF. The load-balancing loss is off by default: it is not part of the RL objective
+    (the policy loss) and would move the router away from the policy being optimised; turn it on by override.
+    """
+    from megatron_rl.platform import get_platform
+
+    return dict(
+        num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
+        moe_router_dtype="fp32", moe_expert_capacity_factor=None, moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_token_dispatcher_type=get_platform().moe_token_dispatcher,
+        expert_model_parallel_size=ep,
+    )
 
 
 def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -260,18 +351,24 @@ def llama3_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def layer_spec_for(kind: str = "auto"):
-    """The transformer-engine layer spec when TE is available (or asked for), megatron's local spec otherwise."""
+def layer_spec_for(kind: str = "auto", spec: ModelSpec | None = None):
+    """The transformer-engine layer spec when TE is available (or asked for), megatron's local spec otherwise.
+    `spec` adds the model's q/k norm and MoE block (experts as a SequentialMLP of per-expert linears: no grouped
+    GEMM, so each expert's weights are their own tensors, as on the HF side)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     from megatron_rl.platform import get_platform
 
+    qk = bool(spec and spec.qk_norm)
+    experts = spec.moe.num_experts if spec is not None and spec.moe is not None else None
     if kind == "auto":
         kind = "te" if get_platform().has_transformer_engine else "local"
     if kind == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False), "te"
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                                qk_layernorm=qk), "te"
     if kind == "local":
-        return specs.get_gpt_layer_local_spec(normalization="RMSNorm"), "local"
+        return specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk,
+                                              normalization="RMSNorm"), "local"
     raise ValueError(f"layer spec must be 'auto', 'te' or 'local', not {kind!r}")
 
 
@@ -329,12 +426,16 @@ def build_model(hf_config: Any, *, tp: int | None = None, pp: int | None = None,
     pp = ps.get_pipeline_model_parallel_world_size() if pp is None else pp
     pre_process = ps.is_pipeline_first_stage() if pre_process is None else pre_process
     post_process = ps.is_pipeline_last_stage() if post_process is None else post_process
+    ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     spec = model_spec(hf_config, tp=tp)
-    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, init_weights=init_weights,
+    config = transformer_config(spec, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype, init_weights=init_weights,
                                 **config_overrides)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    layer, kind = layer_spec_for(layer_spec)
+    layer, kind = layer_spec_for(layer_spec, spec)
+    from megatron_rl.models.varlen_attention import with_varlen_core_attention
+
+    layer = with_varlen_core_attention(layer)  # packed (THD) rows, incl. cascade shared prefix; else unchanged
     rope = spec.rope
     model = GPTModel(
         config=config, transformer_layer_spec=layer, vocab_size=spec.padded_vocab,

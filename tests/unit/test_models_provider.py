@@ -51,7 +51,7 @@ def test_unsupported_rope_scaling_is_named(rope_type):
         model_spec(cfg)
 
 
-@pytest.mark.parametrize("arch,mtype", [("GPT2LMHeadModel", "gpt2"), ("Qwen3ForCausalLM", "qwen3"),
+@pytest.mark.parametrize("arch,mtype", [("GPT2LMHeadModel", "gpt2"), ("DeepseekV3ForCausalLM", "deepseek_v3"),
                                         ("LlamaForCausalLM", "mistral")])
 def test_unsupported_architecture_names_values(tmp_path, arch, mtype):
     (tmp_path / "config.json").write_text(json.dumps(dict(SMOLLM2, architectures=[arch], model_type=mtype)))
