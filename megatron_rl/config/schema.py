@@ -58,6 +58,10 @@ class PolicyConfig:
     max_tokens_per_microbatch: int = 4096
     activation_recompute: bool = False
     shared_prefix: bool = True  # train a group's shared prompt once (one packed sequence per group)
+    # none: one padded row per unit (a sequence, or a group with shared_prefix: explicit block mask). varlen:
+    # units packed back to back into one THD row per micro-batch (cu_seqlens, no padding); with shared_prefix a
+    # group's completions attend its prompt by cascade attention, no mask (policy/packing.py)
+    packing: Literal["none", "varlen"] = "none"
     threads: Optional[int] = None  # CPU: intra-op threads for the trainer phase (default: all cores)
     seed: int = 42
 

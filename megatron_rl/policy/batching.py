@@ -1,4 +1,6 @@
-"""Turn a micro-batch of sequences into dense model inputs, and model outputs back into per-sequence tensors.
+"""Rows, the second step of a training call's layout: plan (`packing.plan_microbatches`: which units form each
+micro-batch) -> rows (here: a micro-batch's model inputs, `rows`) -> per-token gather (here: `response_window`,
+`flat`, `split_rows`, `gather_field` turn model outputs back into per-sequence tensors).
 
 Sequence i of length L is fed as tokens[0 : L-1] and predicts targets tokens[1 : L]; its response token k
 (`input_ids[p + k]`, p = prompt length) is therefore predicted at position p - 1 + k. Rows are right-padded to the
@@ -8,10 +10,16 @@ get target -1 (the kernels' ignore index) and mask 0.
 A row may instead hold a whole group sharing its prompt (`dense_rows`, layout in `policy/packing.py`); then the
 micro-batch carries an explicit attention mask and per-token positions, and `spans` locate each sequence's response
 predictions. Response tokens are flattened row by row, which is the order of `indices`.
+
+With varlen packing (`varlen_row`) the micro-batch is ONE packed row [1, t] in megatron's THD format: its units
+(sequences or shared-prefix groups) back to back, each split into attention segments (`packing.unit_segments`)
+padded to megatron's multiple, described by `packed` (PackedSeqParams / CascadeSeqParams with cu_seqlens) instead
+of a mask; positions restart per sequence. The same `spans`, `flat` and `split_rows` read it.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +29,7 @@ from megatron_rl.policy.interface import RolloutBatch
 
 
 @dataclass
-class DenseMicroBatch:
+class MicroBatchRows:
     indices: list[int]  # positions in the RolloutBatch, in the order their response tokens appear in `flat(...)`
     tokens: torch.Tensor  # [b, s] long
     position_ids: torch.Tensor  # [b, s]
@@ -30,6 +38,7 @@ class DenseMicroBatch:
     resp_lens: list[int]
     spans: list[tuple[int, int]]  # per sequence: (row, first column) of its response-token predictions
     attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool, True = masked; None = plain causal
+    packed: object = None  # PackedSeqParams of a varlen row (b = 1, THD); None for dense rows
 
 
 def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> None:
@@ -55,12 +64,18 @@ def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> Non
                 raise ValueError(f"{name}[{i}] has {t.numel()} entries for a response of {n} tokens")
 
 
-def dense(batch: RolloutBatch, indices: list[int], pad_id: int = 0) -> DenseMicroBatch:
+def rows(batch: RolloutBatch, units: list[list[int]], *, varlen: bool, multiple: int = 1) -> MicroBatchRows:
+    """The rows of one planned micro-batch (`packing.plan_microbatches`): one packed THD row, or one padded row per
+    unit."""
+    return varlen_row(batch, units, multiple) if varlen else dense_rows(batch, units)
+
+
+def dense(batch: RolloutBatch, indices: list[int], pad_id: int = 0) -> MicroBatchRows:
     """One row per sequence (the unshared layout)."""
     return dense_rows(batch, [[i] for i in indices], pad_id)
 
 
-def dense_rows(batch: RolloutBatch, rows: list[list[int]], pad_id: int = 0) -> DenseMicroBatch:
+def dense_rows(batch: RolloutBatch, rows: list[list[int]], pad_id: int = 0) -> MicroBatchRows:
     """One row per unit: a single sequence, or a group sharing its prompt (`policy/packing.py`)."""
     layouts = [packing.row_layout([batch.input_ids[i] for i in u], batch.prompt_lens[u[0]]) for u in rows]
     b, s = len(rows), max(len(lay.tokens) for lay in layouts)
@@ -87,30 +102,102 @@ def dense_rows(batch: RolloutBatch, rows: list[list[int]], pad_id: int = 0) -> D
             resp_lens.append(k)
             spans.append((r, c))
     attn = packing.attention_mask(segments) if any(len(u) > 1 for u in rows) else None
-    return DenseMicroBatch(indices, tokens, pos, targets, mask, resp_lens, spans, attn)
+    return MicroBatchRows(indices, tokens, pos, targets, mask, resp_lens, spans, attn)
 
 
-def split_rows(values: torch.Tensor, mb: DenseMicroBatch) -> list[torch.Tensor]:
+def varlen_row(batch: RolloutBatch, units: list[list[int]], multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
+    """All `units` in one packed THD row; every attention segment padded to `multiple` tokens (padding: target -1,
+    attended by nothing, its output unread)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl.models.varlen_attention import CascadeSeqParams
+
+    tokens, pos, targets = [], [], []
+    starts, lengths, prefix_of = [], [], []
+    indices, resp_lens, spans = [], [], []
+    for unit in units:
+        lay = packing.row_layout([batch.input_ids[i] for i in unit], batch.prompt_lens[unit[0]])
+        seg_lens, seg_prefix = packing.unit_segments(lay)
+        first_seg, col, col_of = len(starts), 0, {}  # layout column -> packed column
+        for n, p in zip(seg_lens, seg_prefix):
+            at = len(tokens)
+            starts.append(at)
+            lengths.append(n)
+            prefix_of.append(p + first_seg if p >= 0 else -1)
+            for c in range(col, col + n):
+                col_of[c] = len(tokens)
+                tokens.append(lay.tokens[c])
+                pos.append(lay.positions[c])
+                targets.append(lay.targets[c])
+            pad = packing.padded(n, multiple) - n
+            last = pos[-1] if n else 0
+            tokens += [pad_id] * pad
+            pos += range(last + 1, last + 1 + pad)
+            targets += [-1] * pad
+            col += n
+        for i, (c, k) in zip(unit, lay.spans):
+            indices.append(i)
+            resp_lens.append(k)
+            spans.append((0, col_of[c]))
+    t = len(tokens)
+    resp = torch.zeros((1, t), dtype=torch.bool)
+    for (_, c), k in zip(spans, resp_lens):
+        resp[0, c:c + k] = True
+    ends = [s + n for s, n in zip(starts, lengths)]
+    cu_real = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
+    cu_pad = torch.tensor(starts + [t], dtype=torch.int32)
+    max_len = max(b - a for a, b in zip(starts, starts[1:] + [t]))
+    common = dict(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real, max_seqlen_q=max_len,
+                  max_seqlen_kv=max_len)
+    if multiple > 1 or ends != starts[1:] + [t]:
+        common.update(cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+    if any(p >= 0 for p in prefix_of):
+        params = CascadeSeqParams(**common, prefix_of=prefix_of, starts=starts, lengths=lengths)
+    else:
+        params = PackedSeqParams(**common)
+    as_row = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+    return MicroBatchRows(indices, as_row(tokens), as_row(pos), as_row(targets), resp, resp_lens, spans,
+                           packed=params)
+
+
+def packed_on(params, device):
+    """A row's PackedSeqParams with its cu_seqlens tensors on `device` (None stays None)."""
+    if params is None:
+        return None
+    moved = {f.name: getattr(params, f.name).to(device) for f in dataclasses.fields(params)
+             if torch.is_tensor(getattr(params, f.name))}
+    return dataclasses.replace(params, **moved)
+
+
+def split_rows(values: torch.Tensor, mb: MicroBatchRows) -> list[torch.Tensor]:
     """[b, s] per-position values -> one 1-D tensor of response-token values per sequence."""
     return [values[r, c:c + n] for (r, c), n in zip(mb.spans, mb.resp_lens)]
 
 
-def gather_field(values: list[torch.Tensor] | None, mb: DenseMicroBatch) -> torch.Tensor | None:
+def gather_field(values: list[torch.Tensor] | None, mb: MicroBatchRows) -> torch.Tensor | None:
     """A per-sequence field of the RolloutBatch, flattened in the same order as `flat(...)`."""
     if values is None:
         return None
     return torch.cat([values[i].reshape(-1).float() for i in mb.indices])
 
 
-def flat(values: torch.Tensor, mb: DenseMicroBatch) -> torch.Tensor:
+def flat(values: torch.Tensor, mb: MicroBatchRows) -> torch.Tensor:
     """[b, s] -> response tokens of every row, concatenated row by row (differentiable)."""
     return values[mb.resp_mask]
 
 
-def response_window(mb: DenseMicroBatch) -> tuple[int, DenseMicroBatch]:
+def response_window(mb: MicroBatchRows) -> tuple[int | torch.Tensor, MicroBatchRows]:
     """(start, mb seen from column `start` on): `start` is the first column that predicts a response token in any
     row, the restricted mb has `targets`, `resp_mask` and `spans` for columns start.. (the model's inputs stay whole).
-    `flat` and `split_rows` give the same values in the same order on either."""
+    `flat` and `split_rows` give the same values in the same order on either.
+
+    A packed row (one row of many sequences) instead selects exactly its response-predicting columns: the first
+    value is then a LongTensor of those columns and the view's row holds only them."""
+    if mb.packed is not None:
+        cols = mb.resp_mask[0].nonzero()[:, 0]
+        offsets = itertools.accumulate([0] + mb.resp_lens[:-1])
+        return cols, dataclasses.replace(mb, targets=mb.targets[:, cols], resp_mask=mb.resp_mask[:, cols],
+                                          spans=[(0, c) for c in offsets])
     start = min(c for _, c in mb.spans)
     if start == 0:
         return 0, mb

@@ -1,7 +1,7 @@
 """One rank of the Megatron policy: model, DDP, optimizer and scheduler on megatron-core (TP x PP x DP).
 
 Runs as a Ray actor (`RankWorker`) in a `WorkerGroup`, or directly in a gloo process in tests. Every rank of the
-group receives the whole `RolloutBatch`; each computes the same micro-batch plan (`policy/microbatch.py`) and works
+group receives the whole `RolloutBatch`; each computes the same micro-batch plan (`policy/packing.py`) and works
 on its data-parallel share. Results come back from the last pipeline stage's TP-rank-0 ranks only (one per DP
 replica) as {batch index: tensor}; `PolicyGroup` merges them into batch order.
 
@@ -14,6 +14,10 @@ gradient is exactly that of the normalised loss, whatever the split.
 Shared prefix (`policy.shared_prefix`): each GRPO group becomes one row, its prompt computed once
 (`policy/packing.py`); the model is patched to honour per-token positions and explicit masks
 (`policy/model_hooks.py`). Outputs and loss inputs are per sequence as in the unshared layout.
+
+Varlen packing (`policy.packing: varlen`): each micro-batch is one packed THD row (PackedSeqParams, no padding
+between sequences); with shared prefix a group's completions attend its prompt by cascade attention, no mask
+(`models/varlen_attention.py`).
 """
 from __future__ import annotations
 
@@ -32,7 +36,6 @@ from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, packing
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
-from megatron_rl.policy.microbatch import plan
 from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
 from megatron_rl.policy.weights_out import WeightsOut
 
@@ -97,6 +100,9 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         self.spec = gpt.megatron_rl_spec
         tcfg = gpt.config
         self.shared_prefix = self._enable_shared_prefix(gpt)
+        # varlen rows: the core attention of `build_model`'s spec takes them; a sliding window would be ignored
+        self.varlen = cfg.packing == "varlen" and self.spec.sliding_window is None
+        self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
         from megatron_rl.policy.model_hooks import install_logit_window
 
         self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
@@ -154,18 +160,17 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             wd_incr_style="constant")
 
     # --------------------------------------------------------------------------------------------- forward
-    def _micro_batches(self, batch: RolloutBatch) -> list[batching.DenseMicroBatch]:
+    def _micro_batches(self, batch: RolloutBatch) -> list[batching.MicroBatchRows]:
         batching.check_batch(batch, self.spec.vocab_size, self.spec.max_position_embeddings)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        budget = self.cfg.max_tokens_per_microbatch
-        # the packing unit is a row: a whole group when it shares its prompt, else one sequence
-        units = packing.plan_units(batch, shared=self.shared_prefix, max_tokens=budget, dp_size=self.dp_size)
-        lengths = [packing.unit_length(batch, u) for u in units]
-        mbs = plan(lengths, self.dp_size, self.dp_rank, budget)
-        return [batching.dense_rows(batch, [units[k] for k in mb.indices]) for mb in mbs]
+        # plan (which units form each micro-batch) -> rows (its tensors); the loss then gathers per token from them
+        plan = packing.plan_microbatches(batch, shared=self.shared_prefix, varlen=self.varlen,
+                                         max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
+                                         dp_rank=self.dp_rank, multiple=self.segment_multiple)
+        return [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
 
-    def _forward(self, model, mb: batching.DenseMicroBatch):
+    def _forward(self, model, mb: batching.MicroBatchRows):
         """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns
         from the first response prediction on, `model_hooks.install_logit_window`) and the returned mb is narrowed
         to match; elsewhere the output is the stage's hidden states and mb is unchanged."""
@@ -173,7 +178,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         if self._logit_window is not None:
             self._logit_window.start, view = batching.response_window(mb) if self.narrow_logits else (0, mb)
         mask = mb.attention_mask.to(self.device) if mb.attention_mask is not None else None
-        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask), view
+        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
+                     packed_seq_params=batching.packed_on(mb.packed, self.device)), view
 
     def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
         from kernels import token_logprobs_and_entropy

@@ -7,6 +7,8 @@ their lengths), so with shared-prefix packing DP balancing and packing move whol
    (greedy LPT), so every rank does about the same work.
 2. `pack_microbatches`: within a rank, first-fit-decreasing into bins whose *padded* cost (rows x longest row) stays
    within `max_tokens`. Padded cost is what a dense [b, s] micro-batch actually computes.
+   With varlen packing (`packed=True`) a micro-batch is one packed row with no padding between units, so the
+   cost of a bin is the sum of its lengths instead.
 3. Outputs are written back by the original indices, so callers see results in batch order.
 
 The update must not depend on this split: losses are normalised by global counts (see `policy/loss_api.py`), never
@@ -25,6 +27,7 @@ class SequenceTooLongError(ValueError):
 class MicroBatch:
     indices: list[int]  # positions in the original batch
     max_len: int
+    total: int = 0  # sum of the lengths
 
     @property
     def padded_tokens(self) -> int:
@@ -44,8 +47,10 @@ def balance_over_dp(lengths: list[int], dp_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def pack_microbatches(indices: list[int], lengths: list[int], max_tokens: int) -> list[MicroBatch]:
-    """First-fit-decreasing by padded cost. Raises SequenceTooLongError naming the sequence if one cannot fit."""
+def pack_microbatches(indices: list[int], lengths: list[int], max_tokens: int,
+                      packed: bool = False) -> list[MicroBatch]:
+    """First-fit-decreasing by padded cost (rows x longest), or by total length when `packed`. Raises
+    SequenceTooLongError naming the sequence if one cannot fit."""
     for i in indices:
         if lengths[i] > max_tokens:
             raise SequenceTooLongError(
@@ -55,15 +60,17 @@ def pack_microbatches(indices: list[int], lengths: list[int], max_tokens: int) -
     for i in sorted(indices, key=lambda k: (-lengths[k], k)):
         for b in bins:
             # longest-first: the bin's max_len never grows, so the cost of one more row is max_len
-            if (len(b.indices) + 1) * b.max_len <= max_tokens:
+            cost = b.total + lengths[i] if packed else (len(b.indices) + 1) * b.max_len
+            if cost <= max_tokens:
                 b.indices.append(i)
+                b.total += lengths[i]
                 break
         else:
-            bins.append(MicroBatch(indices=[i], max_len=lengths[i]))
+            bins.append(MicroBatch(indices=[i], max_len=lengths[i], total=lengths[i]))
     return bins
 
 
-def plan(lengths: list[int], dp_size: int, dp_rank: int, max_tokens: int) -> list[MicroBatch]:
+def plan(lengths: list[int], dp_size: int, dp_rank: int, max_tokens: int, packed: bool = False) -> list[MicroBatch]:
     """The micro-batches of one DP rank. Every rank computes the same plan from the same lengths."""
     shards = balance_over_dp(lengths, dp_size)
-    return pack_microbatches(shards[dp_rank], lengths, max_tokens)
+    return pack_microbatches(shards[dp_rank], lengths, max_tokens, packed)

@@ -55,17 +55,28 @@ def install_position_rope(gpt) -> bool:
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
         pos = current["pos"]
-        if pos is None or packed_seq or offset:
+        if pos is None or offset:
             return stock(max_seq_len, offset, packed_seq, cp_group)
         if cp_group is not None and cp_group.size() > 1:
             raise NotImplementedError("per-token RoPE positions with context parallelism")
+        if packed_seq:
+            # a cascade THD row [1, t]: one angle per packed token; megatron's THD RoPE takes a table with one row
+            # per packed token as exactly that ("freqs.size(0) == cu_seqlens[-1]")
+            return position_freqs(rope, pos)
         if pos.shape[-1] != max_seq_len:
             raise ValueError(f"position_ids cover {pos.shape[-1]} tokens but the model runs {max_seq_len}")
         return position_freqs(rope, pos)
 
     def record_positions(_module, args, kwargs):
+        from megatron_rl.models.varlen_attention import CascadeSeqParams
+
         pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
-        current["pos"] = None if pos is None or _plain(pos) else pos
+        packed = kwargs.get("packed_seq_params")
+        # a plain varlen row's positions restart at every segment, which megatron's THD RoPE (and TE's fused one)
+        # does from cu_seqlens by itself; only cascade rows (completions continue their prompt's positions) and
+        # dense shared-prefix rows need per-token angles
+        plain_thd = packed is not None and not isinstance(packed, CascadeSeqParams)
+        current["pos"] = None if pos is None or plain_thd or _plain(pos) else pos
 
     rope.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
     gpt.register_forward_pre_hook(record_positions, with_kwargs=True)
@@ -106,10 +117,11 @@ def install_explicit_mask_attention(gpt) -> int:
 
 
 class LogitWindow:
-    """Where the output layer starts along the sequence for the current forward (0: everywhere)."""
+    """Where the output layer runs along the sequence for the current forward: from column `start` on (0:
+    everywhere), or, for a packed row, only at the columns of a LongTensor `start`."""
 
     def __init__(self):
-        self.start = 0
+        self.start: "int | torch.Tensor" = 0
 
 
 def install_logit_window(gpt) -> LogitWindow | None:
@@ -133,9 +145,12 @@ def install_logit_window(gpt) -> LogitWindow | None:
     window = LogitWindow()
 
     def narrow(_module, args, kwargs):
-        if window.start <= 0:
+        start = window.start
+        if torch.is_tensor(start):  # a packed row: gather its response-predicting columns
+            return (args[0].index_select(0, start.to(args[0].device)),) + tuple(args[1:]), kwargs
+        if start <= 0:
             return None
-        return (args[0][window.start:],) + tuple(args[1:]), kwargs
+        return (args[0][start:],) + tuple(args[1:]), kwargs
 
     layer.register_forward_pre_hook(narrow, with_kwargs=True)
     return window

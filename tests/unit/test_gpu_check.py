@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("train", "logprob_kernel", "offload", "ipc_refit", "save_after_handover")
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "save_after_handover")
 
 
 def _numbers(obj, path=""):
@@ -55,6 +55,13 @@ def test_gpu_check_dry_run(tmp_path):
     assert train["layer_spec"] == "local" and train["dtype"] == "bf16"
     assert 0 < train["mfu_6n"] < train["mfu_6n_plus_attn"]
     assert all(math.isfinite(x) for x in train["loss"])
+
+    vl = sections["varlen_train"]
+    fed = {name: r["tokens_fed"] for name, r in vl["layouts"].items()}
+    assert fed["varlen"] == vl["sequence_tokens"] < fed["padded"] and fed["varlen_cascade"] < fed["varlen"]
+    assert all(r["max_logprob_diff_vs_padded"] < 0.1 for r in vl["layouts"].values())  # bf16, same weights
+    assert vl["cascade_op"]["float32"]["out"] < 1e-5 and vl["cascade_op"]["float32"]["dq"] < 1e-4
+    assert vl["cascade_op"]["bfloat16"]["out"] < 0.05
 
     k = sections["logprob_kernel"]
     assert k["impl"] == "triton" and k["interpreted"]  # the Triton interpreter ran the GPU kernel's code on CPU
