@@ -61,7 +61,7 @@ def _temp_files(root: Path) -> tuple[list[str], list[str]]:
 
 
 def soak(steps: int = 300, ckpt_every: int = 20, warmup: int = 20, window: int = 50, out: Path | None = None,
-         model: Path | None = None, log=print, timeout_s: float = 7200.0) -> dict:
+         model: Path | None = None, log=print, timeout_s: float = 7200.0, precision: str = "fp32") -> dict:
     """Run the soak in a child process (so that what is left behind is judged after every process of the run has
     exited, as after a real run) and return its figures; `out` keeps the run's files."""
     from tests.integration.faults_harness import Run, leaked_shm, shm_files
@@ -77,7 +77,7 @@ def soak(steps: int = 300, ckpt_every: int = 20, warmup: int = 20, window: int =
     figures = out / "figures.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(steps), "--ckpt-every",
            str(ckpt_every), "--warmup", str(warmup), "--window", str(window), "--out", str(out),
-           "--json", str(figures)] + (["--model", str(model)] if model else [])
+           "--json", str(figures), "--precision", precision] + (["--model", str(model)] if model else [])
     shm_before = shm_files()
     run = Run(cmd, cwd=REPO, env=env, log_dir=out, poll_s=0.2)
     try:
@@ -105,7 +105,7 @@ def soak(steps: int = 300, ckpt_every: int = 20, warmup: int = 20, window: int =
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _child(steps, ckpt_every, warmup, window, out: Path, model) -> dict:
+def _child(steps, ckpt_every, warmup, window, out: Path, model, precision: str) -> dict:
     """The soak loop itself (runs in the child): the real components, RSS sampled after every step."""
     from megatron_rl.algorithms import grpo
     from megatron_rl.algorithms.loss_fn import GRPOLossFn
@@ -121,7 +121,8 @@ def _child(steps, ckpt_every, warmup, window, out: Path, model) -> dict:
     overrides = [f"policy.model={model}", f"output.dir={out / 'run'}", "grpo.num_prompts_per_step=2",
                  "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8", "grpo.val_every=0",
                  "policy.optimizer.lr=1e-3", "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
-                 f"grpo.max_steps={steps}", f"checkpoint.every_steps={ckpt_every}", "logging.progress=false"]
+                 f"grpo.max_steps={steps}", f"checkpoint.every_steps={ckpt_every}", "logging.progress=false",
+                 f"policy.precision={precision}"]
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", overrides)
     root = out / "run" / "checkpoints"
     t_build = time.perf_counter()
@@ -204,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="keep the run's files here (default: a temp dir)")
     ap.add_argument("--model", type=Path, default=None, help="HF model folder (default: a generated tiny Llama)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"], help="policy.precision")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        res = _child(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model)
+        res = _child(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, a.precision)
         a.json.write_text(json.dumps(res, indent=2))
         return 0
-    res = soak(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, log=lambda s: print(s, flush=True))
+    res = soak(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, log=lambda s: print(s, flush=True),
+               precision=a.precision)
     print(report(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))

@@ -34,7 +34,9 @@ def train_cmd(config: Path, model: Path, out: Path, *extra: str) -> list[str]:
             "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
             "grpo.val_every=0", "checkpoint.every_steps=1", "policy.optimizer.lr=1e-3", "logging.progress=false",
             "logging.plots=false", "logging.tensorboard=false", "reward.num_workers=1",
-            "generation.kv_cache_memory_mb=64", *extra]
+            "generation.kv_cache_memory_mb=64",
+            # the demo config trains bf16 where the CPU has it; these tests compare runs step for step in fp32
+            "policy.precision=fp32", *extra]
 
 
 @dataclass(frozen=True)

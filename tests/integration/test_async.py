@@ -37,6 +37,7 @@ def _run_patched(model, out: Path, steps: int) -> list[dict]:
         "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
         "policy.optimizer.lr=1e-3", "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
         "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", "checkpoint.every_steps=2",
+        "policy.precision=fp32",  # fp32: the mismatch it asserts is the stale policy's, not bf16 rounding
         f"grpo.max_steps={steps}"])
     handler = signal.getsignal(signal.SIGTERM)
     try:

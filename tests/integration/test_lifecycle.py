@@ -68,7 +68,7 @@ def parts(tiny_model_factory, tmp_path_factory):
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", [
         f"policy.model={model}", "cluster.devices_per_node=2", f"output.dir={out}", "grpo.num_prompts_per_step=2",
         "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8", "policy.optimizer.lr=1e-3",
-        "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64"])
+        "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", "policy.precision=fp32"])
     c = build(cfg, out)
     c.reward_fn.close()
     c.reward_fn = TextReward()
@@ -185,7 +185,7 @@ def test_run_aborts_after_max_empty_steps_naming_the_key(tiny_model_factory, tmp
            f"policy.model={model}", f"output.dir={out}", "grpo.num_prompts_per_step=2",
            "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", "grpo.val_every=0",
            "logging.progress=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", "grpo.max_steps=5",
-           "grpo.advantage.dynamic_sampling=true", "grpo.max_empty_steps=2", "checkpoint.every_steps=1"]
+           "grpo.advantage.dynamic_sampling=true", "grpo.max_empty_steps=2", "checkpoint.every_steps=1", "policy.precision=fp32"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode != 0
     assert "2 consecutive steps without a trainable group (grpo.max_empty_steps=2)" in r.stderr, r.stderr[-3000:]

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "launch" / "slurm_grpo.sh"
 TINY_RUN = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
             "grpo.val_every=0", "logging.progress=false", "logging.plots=false", "reward.num_workers=1",
-            "generation.kv_cache_memory_mb=64"]
+            "generation.kv_cache_memory_mb=64", "policy.precision=fp32"]
 KILL_WAIT_S = 15  # the cluster's KillWait: scancel's SIGKILL follows its SIGTERM after this
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
           "STAGE_OUT", "STOPPED"}
