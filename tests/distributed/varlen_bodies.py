@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-from megatron_rl.models.varlen_attention import CascadeSeqParams
 from tests.distributed.policy_bodies import TEMP, _cfg, _gather_obj, _merge, hf_reference, pg_loss
 from tests.distributed.shared_prefix_bodies import make_group_batch
 
@@ -20,6 +19,9 @@ BUDGET = 40  # several packed rows (micro-batches) per DP rank, most holding sev
 def _run(rank, world_size, model_dir, batch, shared, recompute=False, multiple=None, **kw):
     from megatron.core import parallel_state as ps
 
+    # imported here, not at module level: megatron's attention imports triton, which must not load in the pytest
+    # process before tests/kernels/conftest.py sets TRITON_INTERPRET
+    from megatron_rl.models.varlen_attention import CascadeSeqParams
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     cfg = _cfg(model_dir, budget=BUDGET, **kw)
