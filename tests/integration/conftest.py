@@ -20,9 +20,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def write_tiny_llama(out_dir, *, seed: int = 0, tied: bool = False, hidden: int = 64, layers: int = 2,
                      heads: int = 2, kv_heads: int = 1, head_dim: int = 32, init_std: float = 0.2,
-                     tokenizer_dir=None) -> Path:
+                     max_positions: int = 512, quiet_eos: bool = False, tokenizer_dir=None) -> Path:
     """A random fp32 Llama saved as an HF folder. `init_std` is large on purpose: a near-uniform random model has
-    near-tied top logits, and greedy comparisons between two numerically different engines would flake."""
+    near-tied top logits, and greedy comparisons between two numerically different engines would flake.
+    `quiet_eos` (untied only) zeroes the output row of the EOS token: its logit stays 0 while the others spread,
+    so EOS is sampled with probability ~1/(vocab * e^(var/2)) per token and random generations run to the length
+    limit, as long reasoning traces do."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -30,7 +33,8 @@ def write_tiny_llama(out_dir, *, seed: int = 0, tied: bool = False, hidden: int 
     tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tied, initializer_range=init_std, rms_norm_eps=1e-5,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
@@ -40,6 +44,10 @@ def write_tiny_llama(out_dir, *, seed: int = 0, tied: bool = False, hidden: int 
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+        if quiet_eos:
+            if tied:
+                raise ValueError("quiet_eos needs an untied output layer (it would zero the EOS embedding too)")
+            model.lm_head.weight[tok.eos_token_id] = 0.0  # the generation config's EOS is the tokenizer's
     out = Path(out_dir)
     model.save_pretrained(out)
     for f in TOKENIZER_FILES:
