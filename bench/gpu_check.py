@@ -5,8 +5,8 @@ CUDA-IPC refit between two processes. One JSON file out; a CPU dry run of the sa
     python bench/gpu_check.py --dry-run --out x.json    # CPU, tiny shapes, seconds (tests/unit/test_gpu_check.py)
     bash bench/gpu_check.sh                             # on the lent H200: installs the carried wheels, then runs
 
-Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, ipc_refit, save_after_handover. A section's
-failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
+Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, ipc_refit, save_after_handover.
+A section's failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
 
 Preparing the lent machine (Python 3.12, torch/triton/safetensors/pyyaml/psutil/packaging/numpy preinstalled, no
 network): megatron-core is the only missing package. In the repo root, once:
@@ -53,9 +53,8 @@ LLAMA_1B = {
 }
 # seqs x seq_len tokens per step in micro-batches of at most `budget` tokens; logits [tokens, vocab] for the kernel
 GPU_SHAPES = dict(model="llama_1b", seqs=16, seq_len=1024, prompt_len=64, budget=8192, steps=3, matmul=8192,
-                  logits=(8192, 151936), check_rows=1024, kernel_reps=10, bucket_mb=256,
-                  # varlen_train: groups x completions, ~15 % of them `long` tokens (DeepScaleR's spread, scaled)
-                  groups=4, completions=8, group_prompt=256, short=384, long=3072,
+                  logits=(8192, 151936), check_rows=1024, kernel_reps=10, bucket_mb=256,  # varlen_train next:
+                  groups=4, completions=8, group_prompt=256, short=384, long=3072,  # ~15 % `long` (DeepScaleR's spread)
                   cascade_op=dict(prefix=700, completions=[2000, 130, 1]))
 DRY_SHAPES = dict(model="tiny_llama", seqs=8, seq_len=48, prompt_len=8, budget=128, steps=2, matmul=256,
                   logits=(16, 300), check_rows=16, kernel_reps=2, bucket_mb=1,
@@ -222,12 +221,10 @@ class Check:
         return out
 
     def varlen_train(self) -> dict:
-        """Padded vs varlen vs varlen + cascade train steps on a DeepScaleR-shaped batch, and the cascade attention
-        op against a masked fp64 reference on the device (`bench/gpu_check_varlen.py`)."""
+        """Padded vs varlen vs varlen + cascade train steps; the cascade op vs fp64 (`bench/gpu_check_varlen.py`)."""
         from bench.gpu_check_varlen import varlen_train
-        from bench.shared_prefix_bench import grpo_batch
 
-        return varlen_train(self, grpo_batch)
+        return varlen_train(self)
 
     def logprob_kernel(self) -> dict:
         """kernels.token_logprobs on [8192, 151936] bf16 logits: GB/s vs a device-to-device copy; reference check."""

@@ -62,7 +62,8 @@ def cascade_op_errors(device, dtype, prefix: int, completions: list[int], heads=
     return err
 
 
-def varlen_train(check, grpo_batch) -> dict:
+def varlen_train(check) -> dict:
+    from bench.shared_prefix_bench import grpo_batch
     from megatron_rl.platform import get_platform
 
     w, sh = check._need_worker(), check.shapes
