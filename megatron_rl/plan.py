@@ -1,4 +1,5 @@
-"""`megatron-rl plan`: choose TP/PP/DP (and the vLLM layout) for a model, a GPU count and a GRPO workload.
+"""`megatron-rl plan`: choose TP/PP/DP (EP for mixture-of-experts models, and the vLLM layout) for a model, a GPU
+count and a GRPO workload.
 
     megatron-rl plan --model NAME_OR_HF_CONFIG --gpus N [--gpu h100|h200|a100|gb200] [--seq-len L]
                      [--colocated | --disaggregated [--gen-gpus G] [--max-staleness K]]
@@ -16,8 +17,9 @@ Modes (what `cluster.colocated` and `grpo.max_staleness` select in the runtime):
 With --base RECIPE the recipe supplies the workload (see below) and the mode; flags override both.
 
 Only layouts the runtime builds are proposed: the rules are the loader's and build()'s own functions
-(megatron_rl/distributed/parallel_dims.py: device_layout, check_policy_split, check_engine_split). The planner
-adds one of its own: tensor parallelism stays inside a GPU's NVLink domain.
+(megatron_rl/distributed/parallel_dims.py: device_layout, check_policy_split, check_engine_split,
+check_expert_split). The planner adds one of its own: tensor parallelism stays inside a GPU's NVLink domain, except
+a vLLM engine whose weights one domain cannot hold (it then spans whole domains).
 
 --write-config OUT writes the best layout as a config that inherits --base (megatron_rl/plan_config.py), after the
 config loader accepted it; `megatron-rl train OUT` runs it. Workload flags become config keys:
@@ -32,10 +34,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_rl import plan_model
-from megatron_rl.distributed.parallel_dims import check_engine_split, check_policy_split, check_staleness
+from megatron_rl.distributed.parallel_dims import (
+    check_engine_split, check_expert_split, check_policy_split, check_staleness,
+)
+from megatron_rl.plan_arch import active_params, arch_of, deepseek_v3_arch, pp_problem, total_params
 from megatron_rl.plan_model import (  # noqa: F401  (re-exported: the planner's model is part of its API)
     EAGER_LAUNCH_S_PER_LAYER, GiB, Infeasible, Plan, Workload, act_bytes_per_token_layer, evaluate,
-    fwd_flops_per_token, generation_time, kv_bytes_per_token, layer_params, matmul_params, stage_params,
+    fwd_flops_per_token, generation_time, kv_bytes_per_token, matmul_params, stage_params,
     train_memory, train_side_times, usable_bytes, vllm_weight_bytes,
 )
 from megatron_rl.plan_presets import GPU, GPUS, MODELS, PLAN_ONLY
@@ -57,19 +62,31 @@ def _accepts(check, **kw) -> bool:
 
 def _tp_options(spec, gpu: GPU, *, vllm: bool) -> list[int]:
     """TP sizes the runtime accepts for this model (vLLM's rules or megatron-core's), inside one NVLink domain."""
-    heads = dict(heads=spec.num_heads, kv_heads=spec.num_kv_heads)
+    a = arch_of(spec)
+    heads = dict(heads=a.heads, kv_heads=a.kv_heads)
     if vllm:
         ok = [tp for tp in TP_SIZES if _accepts(check_engine_split, tp=tp, **heads)]
     else:
-        ok = [tp for tp in TP_SIZES if _accepts(check_policy_split, tp=tp, pp=1, layers=spec.num_layers,
-                                                 ffn=spec.ffn_hidden_size, **heads)]
-    return [tp for tp in ok if tp <= gpu.nvlink_domain]  # the planner's own rule: TP over the network is too slow
+        ok = [tp for tp in TP_SIZES if _accepts(check_policy_split, tp=tp, pp=1, layers=None, ffn=a.ffn, **heads)
+              and _accepts(check_expert_split, ep=1, tp=tp, num_experts=a.experts or None)]
+    inside = [tp for tp in ok if tp <= gpu.nvlink_domain]  # the planner's own rule: TP over the network is slow
+    if vllm and vllm_weight_bytes(spec, gpu.nvlink_domain) > usable_bytes(gpu):
+        # ... unless one NVLink domain cannot hold the weights (DeepSeek-V3 on H100s): whole domains then, as
+        # NeMo-RL's vLLM TP 32; the decode estimate charges the TP all-reduces over the network
+        inside += [gpu.nvlink_domain * k for k in (2, 4, 8, 16) if _accepts(check_engine_split,
+                                                                              tp=gpu.nvlink_domain * k, **heads)]
+    return inside
 
 
 def _pp_options(spec) -> list[int]:
-    return [pp for pp in range(1, spec.num_layers + 1)
-            if _accepts(check_policy_split, tp=1, pp=pp, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
-                        layers=spec.num_layers, ffn=spec.ffn_hidden_size)]
+    a = arch_of(spec)
+    return [pp for pp in range(1, a.layers + 1) if pp_problem(a, pp) is None]
+
+
+def _ep_options(spec, dp: int) -> list[int]:
+    """Expert-parallel sizes for dp data-parallel ranks: megatron-core's rule, ep divides the expert count and dp."""
+    a = arch_of(spec)
+    return [ep for ep in range(1, min(a.experts, dp) + 1) if a.experts % ep == 0 and dp % ep == 0] or [1]
 
 
 def _splits(gpus: int, colocated: bool, gen_gpus: int | None) -> list[tuple[int, int]]:
@@ -120,21 +137,25 @@ def plan(spec, gpus: int, gpu: GPU, wl: Workload, *, colocated: bool = True, top
                     if train_gpus % (tp * pp):
                         continue
                     dp = train_gpus // (tp * pp)
-                    for recompute in (False, True):
-                        r = evaluate(spec, gpu, wl, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=n_gen,
-                                     recompute=recompute, colocated=colocated, max_staleness=max_staleness)
-                        if isinstance(r, Plan):
-                            fits.append(r)
-                            continue
-                        where = f"tp={tp} pp={pp} dp={dp} recompute={'on' if recompute else 'off'}"
-                        if r.startswith("generation"):
-                            where += f" vLLM-tp={gen_tp}"
-                        misses.append((sum(train_memory(spec, tp, pp, dp, recompute, wl)[0].values()),
-                                       f"{where}: {r}"))
+                    for ep in _ep_options(spec, dp):
+                        for recompute in (False, True):
+                            r = evaluate(spec, gpu, wl, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=n_gen,
+                                         recompute=recompute, colocated=colocated, max_staleness=max_staleness,
+                                         ep=ep)
+                            if isinstance(r, Plan):
+                                fits.append(r)
+                                continue
+                            where = (f"tp={tp} pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else "")
+                                     + f" recompute={'on' if recompute else 'off'}")
+                            if r.startswith("generation"):
+                                where += f" vLLM-tp={gen_tp}"
+                            misses.append((sum(train_memory(spec, tp, pp, dp, recompute, wl, ep)[0].values()),
+                                           f"{where}: {r}"))
     if not fits:
         if not misses:
+            a = arch_of(spec)
             raise Infeasible(f"no layout divides {gpus} GPUs for this model (TP must divide heads "
-                             f"{spec.num_heads}, KV heads {spec.num_kv_heads} and ffn {spec.ffn_hidden_size})")
+                             f"{a.heads}, KV heads {a.kv_heads} and ffn {a.ffn})")
         msg = (f"does not fit on {gpus} x {gpu.name} ({gpu.memory_gib:.0f} GiB) at seq-len {wl.seq_len}; "
                f"closest: {min(misses)[1]}")
         if _search_more:
@@ -152,15 +173,17 @@ def plan(spec, gpus: int, gpu: GPU, wl: Workload, *, colocated: bool = True, top
 # ---------------------------------------------------------------------------------------------------------------
 
 def resolve_model(name: str):
-    """(label, ModelSpec, note) for a preset name or an HF config.json / model folder."""
-    from megatron_rl.models.provider import ModelSpec, RopeSpec, model_spec
+    """(label, ModelSpec -- or the planner's Arch for a plan-only architecture --, note) for a preset name or an HF
+    config.json / model folder."""
+    from megatron_rl.models.provider import model_spec
 
     key = name.lower()
     if key in MODELS:
         return key, model_spec(MODELS[key]), ""
     if key in PLAN_ONLY:
-        fields = dict(PLAN_ONLY[key], norm_eps=1e-6, rope=RopeSpec(), dtype="bfloat16")
-        return key, ModelSpec(**fields), f"{key}: planning only (the trainer does not build this architecture yet)"
+        return key, deepseek_v3_arch(PLAN_ONLY[key]), (f"{key}: planning only (the trainer does not build this "
+                                                        "architecture; megatron_rl/plan_arch.py says what the "
+                                                        "planner approximates)")
     if Path(name).exists():
         return name, model_spec(name), ""
     raise Infeasible(f"unknown model {name!r}: give a path to an HF config.json (or its folder) or one of "
@@ -172,7 +195,8 @@ def _table(plans: list[Plan]) -> str:
             "tok/s/GPU", "binding constraint")
     rows = [head]
     for i, p in enumerate(plans, 1):
-        rows.append((str(i), f"{p.tp}/{p.pp}/{p.dp}", "on" if p.recompute else "off",
+        layout = f"{p.tp}/{p.pp}/{p.dp}" + (f" EP{p.ep}" if p.ep > 1 else "")
+        rows.append((str(i), layout, "on" if p.recompute else "off",
                      f"{p.gen_tp} x {p.gen_instances}", f"{p.train_peak_gib:.1f}", f"{p.kv_gib:.1f}",
                      f"{p.concurrency}/{p.seqs_per_instance}", f"{p.step_s:.1f}", f"{p.tokens_per_s_per_gpu:,.0f}",
                      p.bound))
@@ -275,11 +299,13 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
         mode = "colocated (policy + vLLM on every GPU)"
     else:
         mode = "disaggregated (GPUs split train | vLLM)" + (f", async GRPO (max_staleness {k})" if k else "")
-    print(f"{label}: {spec.num_parameters() / 1e9:.2f}B parameters, {args.gpus} x {gpu.name}, {mode}")
+    a = arch_of(spec)
+    active = f" ({active_params(a) / 1e9:.2f}B active, EP = expert parallelism)" if a.moe else ""
+    print(f"{label}: {total_params(a) / 1e9:.2f}B parameters{active}, {args.gpus} x {gpu.name}, {mode}")
     src = f" (from {args.base})" if args.base else ""
     print(f"workload{src}: {wl.samples} sequences/step, mean {wl.mean_len} tokens (prompt {wl.prompt_len}), "
           f"max {wl.seq_len}; {wl.logprob_passes} logprob pass(es); {wl.optimizer_steps} optimizer step(s)")
-    launch_ms = spec.num_layers * EAGER_LAUNCH_S_PER_LAYER * 1e3
+    launch_ms = a.layers * EAGER_LAUNCH_S_PER_LAYER * 1e3
     decode = (f"eager (generation.enforce_eager: at least {launch_ms:.1f} ms of kernel launches per decode step)"
               if wl.enforce_eager else "CUDA graphs (generation.enforce_eager false)")
     print(f"decode: {decode}")
@@ -298,7 +324,9 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
     print(f"best, step time (s): {parts} = {best.step_s:.1f}")
     if not colocated:
         print(f"  train on {best.train_gpus} GPUs, generate on {best.gen_gpus}")
-    print("estimates: MFU 0.40, decode at 70% of HBM bandwidth; see `megatron-rl plan --help` for the model")
+    moe = f" (routed experts {plan_model.MOE_MFU:.2f})" if a.moe else ""
+    print(f"estimates: MFU {plan_model.MFU:.2f}{moe}, decode at {plan_model.DECODE_BW_EFF:.0%} of HBM bandwidth; see "
+          "`megatron-rl plan --help` for the model")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ tokens, optimizer steps, forward-only logprob passes, eager decode) is read from
 the schema's defaults without one, after the command line's workload flags have been applied to it as config keys
 (`WORKLOAD_KEYS`). So a plan and the config written for it describe the same run.
 
-`--write-config OUT` writes a file that inherits the recipe (`defaults:`, a path relative to OUT) and sets the keys of
-the chosen layout (cluster.*, policy.tp/pp/dp/activation_recompute, generation.tp/dp/gpu_memory_utilization,
-grpo.max_staleness) plus the workload keys the flags changed. It is written only once the config loader
-(`load_config`, the same validation `megatron-rl train` runs) accepts it.
+`--write-config OUT` writes a file that inherits the recipe (`defaults:`, a path relative to OUT) and sets the keys
+of the chosen layout (cluster.*, policy.tp/pp/dp/activation_recompute, policy.ep for MoE models,
+generation.tp/dp/gpu_memory_utilization, grpo.max_staleness) plus the workload keys the flags changed. It is written
+only once the config loader (`load_config`, the same validation `megatron-rl train` runs) accepts it.
 """
 from __future__ import annotations
 
@@ -103,12 +103,13 @@ def layout_overrides(p: Plan, gpu: GPU) -> list[str]:
             f"cluster.colocated={_key(p.colocated)}", f"policy.tp={p.tp}", f"policy.pp={p.pp}", f"policy.dp={p.dp}",
             f"policy.activation_recompute={_key(p.recompute)}", f"generation.tp={p.gen_tp}",
             f"generation.dp={p.gen_instances}", f"generation.gpu_memory_utilization={util}",
-            f"grpo.max_staleness={p.max_staleness}"]
+            f"grpo.max_staleness={p.max_staleness}"] + ([f"policy.ep={p.ep}"] if p.ep > 1 else [])
 
 
 def _shape(spec) -> tuple:
     return (spec.num_layers, spec.hidden_size, spec.ffn_hidden_size, spec.num_heads, spec.num_kv_heads,
-            spec.head_dim, spec.vocab_size, spec.tied_embeddings)
+            spec.head_dim, spec.vocab_size, spec.tied_embeddings, spec.moe and spec.moe.num_experts,
+            spec.moe and spec.moe.topk, spec.moe and spec.moe.ffn_hidden_size)
 
 
 def model_overrides(model_arg: str, label: str, spec, cfg: Config, *, has_base: bool) -> tuple[list[str], str]:

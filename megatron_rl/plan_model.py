@@ -18,13 +18,23 @@ Memory per GPU (training ranks; bf16 weights, Megatron mixed precision):
   to vLLM's weights (2 B/param / gen-TP); the KV cache gets what is left and must hold one --seq-len sequence. Both
   moves cross PCIe every step (25 GB/s assumed). Disaggregated: vLLM's GPUs hold only vLLM.
   reserve: 2.5 GiB + 5% per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
+  mixture of experts (megatron_rl/plan_arch.py): memory counts all parameters, routed experts sharded over EP
+  (expert parallelism, ep | experts and ep | dp, as in megatron-core) and their optimizer state over dp/ep; an MoE
+  layer keeps its top-k expert activations and the dispatched token copies per token.
 Phase times:
   train 6 * params * tokens (8 with recompute) + causal attention FLOPs, at an assumed MFU, paced by the slowest
   pipeline stage (the last one also runs the output layer), slowed by the bubble (PP-1)/micro-batches and the
   distributed optimizer's gradient reduce-scatter and parameter all-gather;
+  MoE: params are the active ones (attention, router, shared experts, top-k experts); the routed experts' GEMMs
+  (with their router and permutes) run at MOE_MFU, which reproduces Megatron-Bridge's published H100 pre-training
+  rate of Qwen3-30B-A3B (5,275 tokens/s/GPU at EP 8, PP 2, FP8; the planner gives 5,370 in bf16, so it is optimistic
+  for bf16); each MoE layer adds its token dispatch and combine (all-to-all of top-k x hidden bf16 per token, each
+  way; NVLink inside a node, the network across) twice per forward and twice per backward, not overlapped with
+  compute (megatron's default) and without DeepEP's per-node deduplication, so pessimistic where those are on;
   logprobs 2 * params * tokens per forward-only pass: the "old" pass when the loop runs one (several optimizer steps
   per rollout, or async) and the KL reference's (grpo.logprob_passes(), the loop's own rule);
-  decode is HBM-bandwidth bound: every step reads the instance's weights and its live KV cache, with concurrency
+  decode is HBM-bandwidth bound: every step reads the instance's weights (MoE: the experts its batch picked) and
+  its live KV cache (MLA: vLLM's compressed latent), plus two TP all-reduces per layer, with concurrency
   limited by the KV cache and vLLM's max_num_seqs; the step also lasts as long as its longest response (some GRPO
   samples always run to the limit), so the tail runs at small batch. Decode runs as CUDA graphs unless
   `--enforce-eager` (generation.enforce_eager; the default is the config's): eager, the CPU launches every layer's
@@ -47,11 +57,20 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_rl.config.schema import GenerationConfig, GRPOConfig
-from megatron_rl.distributed.parallel_dims import check_engine_split, check_policy_split, device_layout
+from megatron_rl.distributed.parallel_dims import (
+    check_engine_split, check_expert_split, check_policy_split, device_layout,
+)
+from megatron_rl.plan_arch import (  # noqa: F401  (re-exported: the planner's model is part of its API)
+    act_bytes_per_token_layer, arch_of, decode_weight_bytes, expert_matmul_params, kv_bytes_per_token,
+    layer_matmul_params, matmul_params, pp_problem, stage_layers, stage_param_split, vllm_weight_bytes,
+)
 from megatron_rl.plan_presets import GPU
 
 GiB = 2**30
 MFU = 0.40  # achieved/peak bf16 for Megatron dense training and forward passes at h >= 4096 (RL packing included)
+# routed-expert GEMMs with their router and permutes: Megatron-Bridge's H100 Qwen3-30B-A3B pre-training rate (module
+# doc; tests/unit/test_plan_moe.py pins it). Small experts (768 wide) run far below the dense MFU
+MOE_MFU = 0.10
 PREFILL_MFU = 0.50
 DECODE_BW_EFF = 0.70  # fraction of HBM bandwidth a decode step reaches
 DECODE_STEP_OVERHEAD_S = 3e-3  # scheduler + kernel launches per decode step (vLLM V1, CUDA graphs)
@@ -60,6 +79,7 @@ DECODE_STEP_OVERHEAD_S = 3e-3  # scheduler + kernel launches per decode step (vL
 EAGER_LAUNCH_S_PER_LAYER = 2e-4
 MAX_NUM_SEQS = 1024  # vLLM's default concurrency cap on >= 70 GiB GPUs other than A100 (256 there)
 PCIE_GB_S = 25.0
+COLLECTIVE_EFF = 0.8  # achieved / link bandwidth of NCCL collectives (gradient reduce-scatter, MoE all-to-all, TP)
 TP_EFF = {1: 1.0, 2: 0.97, 4: 0.93, 8: 0.88}  # tensor-parallel communication inside NVLink
 SEQUENCE_PARALLEL = False  # the policy worker does not turn it on: norm activations are replicated over TP
 
@@ -81,6 +101,9 @@ class Workload:
     logprob_passes: int = GRPOConfig().logprob_passes()
     distributed_optimizer: bool = True
     enforce_eager: bool = GenerationConfig.enforce_eager  # vLLM decode without CUDA graphs; the config's default
+    # vLLM's cap on its share of a GPU (weights + KV cache), as a fraction of the device; None: whatever the
+    # trainer leaves free (what the planner proposes and --write-config writes)
+    gpu_memory_utilization: float | None = None
 
     @property
     def mean_len(self) -> int:
@@ -102,6 +125,7 @@ class Plan:
     recompute: bool
     colocated: bool
     max_staleness: int = 0  # >= 1: async GRPO (generation overlaps training)
+    ep: int = 1  # expert parallelism (MoE): carved out of dp, as in megatron-core
     memory_gib: dict = field(default_factory=dict)  # training-phase breakdown of the fullest stage
     train_peak_gib: float = 0.0
     gen_peak_gib: float = 0.0
@@ -134,60 +158,18 @@ def step_time(times: dict, *, max_staleness: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# architecture arithmetic
+# architecture arithmetic (megatron_rl/plan_arch.py: dense and MoE parameter, activation and KV counts)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _widths(spec) -> tuple[int, int]:
-    return spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-
-
-def layer_params(spec, tp: int = 1) -> int:
-    """One decoder layer's parameters on a TP rank: split matrices /tp, norms replicated."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    q, kv = _widths(spec)
-    qkv = q + 2 * kv
-    split = h * qkv + q * h + 3 * h * f + (qkv if spec.qkv_bias else 0)
-    return split // tp + 2 * h
-
-
-def stage_params(spec, tp: int = 1, pp: int = 1) -> list[int]:
-    """Parameters held by one rank of each pipeline stage, as megatron-core allocates them."""
-    h = spec.hidden_size
-    vocab = spec.padded_vocab_for(tp) * h // tp
-    per_stage = spec.num_layers // pp * layer_params(spec, tp)
-    stages = [per_stage] * pp
-    stages[0] += vocab  # input embedding
-    stages[-1] += h  # final norm
-    if not spec.tied_embeddings or pp > 1:  # tied + PP>1: the last stage keeps its own copy of the embedding
-        stages[-1] += vocab
-    return stages
-
-
-def matmul_params(spec) -> int:
-    """Parameters that cost FLOPs per token: the layers and the output projection (the embedding is a lookup)."""
-    return spec.num_layers * layer_params(spec) + spec.vocab_size * spec.hidden_size
-
-
-def act_bytes_per_token_layer(spec, tp: int = 1) -> float:
-    """Bytes one layer keeps per token for its backward on a TP rank (bf16, flash attention, SwiGLU)."""
-    q, kv = _widths(spec)
-    hidden = 8 * spec.hidden_size  # norm inputs and outputs: split over TP only with sequence parallelism
-    return hidden / (tp if SEQUENCE_PARALLEL else 1) + (4 * q + 4 * kv + 6 * spec.ffn_hidden_size) / tp
-
-
-def kv_bytes_per_token(spec) -> int:
-    return 2 * spec.num_layers * _widths(spec)[1] * 2  # K and V, bf16
-
-
-def vllm_weight_bytes(spec, gen_tp: int) -> float:
-    """bf16 weights of one vLLM rank: layers split over gen-TP, embedding and (untied) output layer too."""
-    vocab = spec.vocab_size * spec.hidden_size * (1 if spec.tied_embeddings else 2)
-    return 2.0 * (spec.num_layers * layer_params(spec, gen_tp) + vocab / gen_tp + spec.hidden_size)
+def stage_params(spec, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
+    """Parameters held by one rank of each pipeline stage, as megatron-core allocates them (experts over EP)."""
+    return [d + e for d, e in stage_param_split(arch_of(spec), tp, pp, ep)]
 
 
 def fwd_flops_per_token(spec, avg_len: int) -> float:
-    # 2 FLOPs per weight, plus causal attention: QK^T and AV over avg_len/2 keys on average
-    return 2.0 * matmul_params(spec) + 2.0 * spec.num_layers * _widths(spec)[0] * avg_len
+    # 2 FLOPs per active weight, plus causal attention: QK^T and AV over avg_len/2 keys on average
+    a = arch_of(spec)
+    return 2.0 * matmul_params(a) + a.layers * a.score_width * avg_len
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,21 +180,23 @@ def usable_bytes(gpu: GPU) -> float:
     return gpu.memory_gib * GiB * 0.95 - 2.5 * GiB
 
 
-def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload) -> tuple[dict, float]:
+def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload, ep: int = 1) -> tuple[dict, float]:
     """(breakdown of the fullest stage in GiB, static bytes of that rank kept across phases)."""
+    a = arch_of(spec)
     t = wl.micro_tokens
-    per_layer = t * act_bytes_per_token_layer(spec, tp)
+    logits = 4.0 * t * a.padded_vocab_for(tp) / tp  # bf16 logits + their gradient
     # full recompute keeps only each layer's input (split over TP only with sequence parallelism)
-    kept = t * 2 * spec.hidden_size / (tp if SEQUENCE_PARALLEL else 1) if recompute else per_layer
-    layers = spec.num_layers // pp
-    logits = 4.0 * t * spec.padded_vocab_for(tp) / tp  # bf16 logits + their gradient
-    best = None
-    for i, n in enumerate(stage_params(spec, tp, pp)):
-        opt = 12.0 * n / (dp if wl.distributed_optimizer else 1)
+    kept_in = t * 2 * a.hidden / (tp if SEQUENCE_PARALLEL else 1)
+    edp = dp // ep  # the distributed optimizer shards expert state over the expert-data-parallel replicas
+    best, start = None, 0
+    for i, ((dense, expert), n) in enumerate(zip(stage_param_split(a, tp, pp, ep), stage_layers(a, pp))):
+        per_layer = [t * act_bytes_per_token_layer(a, j, tp, SEQUENCE_PARALLEL) for j in range(start, start + n)]
+        start += n
+        opt = 12.0 * (dense / dp + expert / edp) if wl.distributed_optimizer else 12.0 * (dense + expert)
         # 1F1B: stage i has PP - i micro-batches in flight; recompute rebuilds one layer at a time in backward
-        act = (pp - i) * layers * kept + (per_layer if recompute else 0.0)
-        parts = {"weights": 2.0 * n, "grads": 4.0 * n, "optimizer": opt, "activations": act,
-                 "logits": logits if i == pp - 1 else 0.0}
+        act = (pp - i) * (n * kept_in if recompute else sum(per_layer)) + (max(per_layer) if recompute else 0.0)
+        parts = {"weights": 2.0 * (dense + expert), "grads": 4.0 * (dense + expert), "optimizer": opt,
+                 "activations": act, "logits": logits if i == pp - 1 else 0.0}
         if best is None or sum(parts.values()) > sum(best.values()):
             best = parts
     static = best["weights"] + best["grads"] + best["optimizer"]
@@ -223,57 +207,103 @@ def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload)
 # time
 # ---------------------------------------------------------------------------------------------------------------
 
-def _mfu(spec, tp: int) -> float:
-    # narrow models run smaller GEMMs at lower efficiency (a heuristic: 0.78x at h=1536, 1x from h=4096)
-    return MFU * min(1.0, (spec.hidden_size / 4096) ** 0.25) * TP_EFF[tp]
+def _mfu(width: int, tp: int) -> float:
+    # narrow GEMMs run at lower efficiency (a heuristic: 0.78x at width 1536, 1x from 4096). Dense layers: width =
+    # hidden; routed experts: their narrow side, min(hidden, expert ffn)
+    return MFU * min(1.0, (width / 4096) ** 0.25) * TP_EFF[tp]
 
 
-def stage_fwd_flops(spec, pp: int, avg_len: int) -> float:
-    """Forward FLOPs per token of the slowest pipeline stage (the last one also runs the output layer)."""
-    h = spec.hidden_size
-    layer = 2.0 * (layer_params(spec) - 2 * h) + 2.0 * _widths(spec)[0] * avg_len
-    return spec.num_layers // pp * layer + 2.0 * spec.vocab_size * h
+def stage_fwd_flops(spec, pp: int, avg_len: int) -> list[tuple[float, float, int]]:
+    """Per pipeline stage: (forward FLOPs per token outside the routed experts, inside them, MoE layers). The last
+    stage also runs the output layer."""
+    a = arch_of(spec)
+    out, start = [], 0
+    for n in stage_layers(a, pp):
+        layers = range(start, start + n)
+        start += n
+        expert = sum(2.0 * expert_matmul_params(a, i) for i in layers)
+        dense = sum(2.0 * (layer_matmul_params(a, i) - 2 * a.hidden) + a.score_width * avg_len for i in layers)
+        out.append([dense - expert, expert, sum(1 for i in layers if a.is_moe_layer(i))])
+    out[-1][0] += 2.0 * a.vocab * a.hidden
+    return [tuple(x) for x in out]
 
 
-def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool, wl: Workload) -> dict:
+def dispatch_s_per_token_layer(spec, gpu: GPU, tp: int, ep: int) -> float:
+    """One MoE layer's token dispatch + combine for one token, forward: two all-to-alls over the EP group, each
+    sending top-k copies of the hidden state (bf16) to the ranks holding the chosen experts ((ep-1)/ep of them
+    leave the rank), over NVLink inside a node and the network across nodes (the slower side sets the pace), plus
+    the local permute/unpermute copies at HBM bandwidth."""
+    a = arch_of(spec)
+    if not a.moe:
+        return 0.0
+    copy = 2 * (a.topk + 1) * a.hidden * 2 / (gpu.hbm_tb_s * 1e12 * DECODE_BW_EFF)  # permute + unpermute, r+w
+    if ep == 1:
+        return copy
+    sent = 2 * a.topk * a.hidden * 2.0  # dispatch and combine
+    # megatron's expert layout is tp-ep-...: an EP group is tp*ep consecutive GPUs; domain // tp of its ranks share
+    # a node
+    local = max(1, min(ep, gpu.nvlink_domain // tp))
+    intra = sent * (local - 1) / ep / (gpu.nvlink_gb_s * 1e9 * COLLECTIVE_EFF)
+    inter = sent * (ep - local) / ep / (gpu.network_gb_s * 1e9 * COLLECTIVE_EFF)
+    return max(intra, inter) + copy
+
+
+def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool, wl: Workload,
+                     ep: int = 1) -> dict:
+    a = arch_of(spec)
     group_tokens = math.ceil(wl.samples / dp) * wl.mean_len  # one DP replica's share; idle replicas wait
-    # a pipeline runs at the pace of its slowest stage: uniform layer split, output layer on the last stage
-    fwd = stage_fwd_flops(spec, pp, wl.mean_len)
-    rate = tp * gpu.bf16_tflops * 1e12 * _mfu(spec, tp)
+    dense_rate = tp * gpu.bf16_tflops * 1e12 * _mfu(a.hidden, tp)
+    expert_rate = tp * gpu.bf16_tflops * 1e12 * MOE_MFU * TP_EFF[tp]
+    a2a = dispatch_s_per_token_layer(a, gpu, tp, ep)
+    # seconds per token of one forward on each stage; a pipeline runs at the pace of its slowest stage
+    stages = [d / dense_rate + e / expert_rate + m * a2a for d, e, m in stage_fwd_flops(a, pp, wl.mean_len)]
+    fwd = max(stages)
     micro = max(1, math.ceil(group_tokens / wl.optimizer_steps / wl.micro_tokens))
     bubble = 1.0 + (pp - 1) / micro
-    train = group_tokens * fwd * (4 if recompute else 3) / rate * bubble
+    train = group_tokens * fwd * (4 if recompute else 3) * bubble
     if dp > 1:  # distributed optimizer: fp32 grad reduce-scatter + bf16 param all-gather, once per optimizer step
-        n = max(stage_params(spec, tp, pp))
+        dense, expert = max(stage_param_split(a, tp, pp, ep), key=sum)
+        edp = dp // ep
         bw = gpu.nvlink_gb_s if tp * pp * dp <= gpu.nvlink_domain else gpu.network_gb_s
-        train += wl.optimizer_steps * 6.0 * n * (dp - 1) / dp / (bw * 1e9 * 0.8)
-    logprobs = wl.logprob_passes * group_tokens * fwd / rate * bubble
-    balance = fwd_flops_per_token(spec, wl.mean_len) / (pp * fwd)
+        moved = 6.0 * (dense * (dp - 1) / dp + expert * (edp - 1) / edp)
+        train += wl.optimizer_steps * moved / (bw * 1e9 * COLLECTIVE_EFF)
+    logprobs = wl.logprob_passes * group_tokens * fwd * bubble
+    balance = sum(stages) / (pp * fwd)
     return {"logprobs": logprobs, "train": train, "bubble": bubble - 1.0, "balance": balance}
 
 
 def generation_time(spec, gpu: GPU, gen_tp: int, instances: int, kv_tokens: int, wl: Workload) -> dict:
+    a = arch_of(spec)
     seqs = math.ceil(wl.samples / instances)
     cap = MAX_NUM_SEQS if gpu.memory_gib >= 70 and "A100" not in gpu.name else 256
     conc = max(1, min(seqs, cap, kv_tokens // max(wl.mean_len, 1)))
-    weights = 2.0 * matmul_params(spec) / gen_tp  # bytes each GPU reads per decode step
-    kv_gpu = kv_bytes_per_token(spec) / min(gen_tp, spec.num_kv_heads)  # vLLM replicates KV heads past kv_heads
+    kv_gpu = kv_bytes_per_token(a) / min(gen_tp, a.kv_splits)  # vLLM replicates KV heads past kv_heads
     bw = gpu.hbm_tb_s * 1e12 * DECODE_BW_EFF
-    fwd = fwd_flops_per_token(spec, wl.mean_len)
-    overhead = DECODE_STEP_OVERHEAD_S + (2 * spec.num_layers * 8e-6 if gen_tp > 1 else 0.0)  # TP all-reduce latency
-    launch = spec.num_layers * EAGER_LAUNCH_S_PER_LAYER if wl.enforce_eager else 0.0  # a floor on the GPU work
+    fwd = fwd_flops_per_token(a, wl.mean_len)
+    launch = a.layers * EAGER_LAUNCH_S_PER_LAYER if wl.enforce_eager else 0.0  # a floor on the GPU work
+
+    def tp_allreduce(batch: int) -> float:  # two per layer (attention, MLP): latency, and a ring over the instance
+        if gen_tp == 1:
+            return 0.0
+        link = gpu.nvlink_gb_s if gen_tp <= gpu.nvlink_domain else gpu.network_gb_s
+        ring = 2 * (gen_tp - 1) / gen_tp * batch * a.hidden * 2 / (link * 1e9 * COLLECTIVE_EFF)
+        return 2 * a.layers * (8e-6 + ring)
+
     resp_mean = max(1, wl.mean_len - wl.prompt_len)
     resp_max = max(resp_mean, wl.seq_len - wl.prompt_len)
     live_ctx = wl.prompt_len + resp_mean / 2
     full_steps = math.ceil(seqs * resp_mean / conc)
-    t_full = max((weights + conc * live_ctx * kv_gpu) / bw,
-                 conc * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU), launch) + overhead
+    # an MoE step reads the experts its batch picked: nearly all of them at a full batch, top-k per layer in the tail
+    t_full = max((decode_weight_bytes(a, gen_tp, conc) + conc * live_ctx * kv_gpu) / bw,
+                 conc * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU), launch) \
+        + DECODE_STEP_OVERHEAD_S + tp_allreduce(conc)
     tail_steps = max(0, resp_max - full_steps)
-    t_tail = max((weights + live_ctx * kv_gpu) / bw, launch) + overhead
+    tail_read = decode_weight_bytes(a, gen_tp, 1) + live_ctx * kv_gpu
+    t_tail = max(tail_read / bw, launch) + DECODE_STEP_OVERHEAD_S + tp_allreduce(1)
     prefill = seqs * wl.prompt_len * fwd / (gen_tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU)
-    return {"generate": prefill + full_steps * t_full + tail_steps * t_tail, "concurrency": conc, "seqs": seqs,
-            "tail_share": tail_steps * t_tail / max(prefill + full_steps * t_full + tail_steps * t_tail, 1e-9),
-            "launch_bound": launch > (weights + live_ctx * kv_gpu) / bw}
+    total = prefill + full_steps * t_full + tail_steps * t_tail
+    return {"generate": total, "concurrency": conc, "seqs": seqs,
+            "tail_share": tail_steps * t_tail / max(total, 1e-9), "launch_bound": launch > tail_read / bw}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,7 +320,7 @@ def _straddles(first: int, n: int, tp: int, domain: int) -> bool:
 
 
 def layout_problem(spec, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int, colocated: bool,
-                   max_staleness: int = 0, domain: int = 0) -> str | None:
+                   max_staleness: int = 0, domain: int = 0, ep: int = 1) -> str | None:
     """Why the runtime would refuse this layout (the loader's and build()'s own rules), or why the planner does
     (TP across NVLink `domain`s, when given), or None."""
     if gen_gpus % gen_tp:
@@ -299,27 +329,32 @@ def layout_problem(spec, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: in
     if domain and not colocated and _straddles(train_gpus, gen_gpus, gen_tp, domain):
         # the planner's own rule (the runtime would run it, slowly): engines take the GPUs after the trainer's
         return f"a vLLM-TP={gen_tp} engine would span two NVLink domains of {domain} GPUs"
+    a = arch_of(spec)
     try:
-        check_policy_split(tp=tp, pp=pp, heads=spec.num_heads, kv_heads=spec.num_kv_heads, layers=spec.num_layers,
-                           ffn=spec.ffn_hidden_size)
-        check_engine_split(tp=gen_tp, heads=spec.num_heads, kv_heads=spec.num_kv_heads)
+        # plan-only architectures with an uneven layer split (megatron's first/last-stage option) skip the
+        # runtime's uniform-split rule for the planner's own
+        check_policy_split(tp=tp, pp=pp, heads=a.heads, kv_heads=a.kv_heads, layers=None if a.uneven_pp else a.layers,
+                           ffn=a.ffn)
+        check_expert_split(ep=ep, tp=tp, num_experts=a.experts or None)
+        check_engine_split(tp=gen_tp, heads=a.heads, kv_heads=a.kv_heads)
         device_layout(devices=train_gpus if colocated else train_gpus + gen_gpus, tp=tp, pp=pp, dp=dp,
-                      colocated=colocated, gen_tp=gen_tp, gen_dp=gen_gpus // gen_tp, max_staleness=max_staleness)
+                      colocated=colocated, gen_tp=gen_tp, gen_dp=gen_gpus // gen_tp, max_staleness=max_staleness,
+                      ep=ep)
     except ValueError as e:
         return str(e)
-    return None
+    return pp_problem(a, pp)
 
 
 def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int,
-             recompute: bool, colocated: bool, max_staleness: int = 0) -> Plan | str:
+             recompute: bool, colocated: bool, max_staleness: int = 0, ep: int = 1) -> Plan | str:
     """A Plan when the layout fits, else a string saying what does not fit (or which runtime rule refuses it)."""
     refused = layout_problem(spec, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=gen_gpus, colocated=colocated,
-                             max_staleness=max_staleness, domain=gpu.nvlink_domain)
+                             max_staleness=max_staleness, domain=gpu.nvlink_domain, ep=ep)
     if refused:
         return f"refused: {refused}"
     train_gpus = tp * pp * dp
     usable = usable_bytes(gpu)
-    mem, static = train_memory(spec, tp, pp, dp, recompute, wl)
+    mem, static = train_memory(spec, tp, pp, dp, recompute, wl, ep)
     train_peak = sum(mem.values()) * GiB
     if train_peak > usable:
         return f"training needs {train_peak / GiB:.1f} GiB per GPU (usable {usable / GiB:.1f})"
@@ -328,27 +363,33 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
     # gradient buffer stays
     resident = mem["grads"] * GiB if colocated else 0.0
     free = usable - vllm_w - resident
-    kv_gpu = kv_bytes_per_token(spec) / min(gen_tp, spec.num_kv_heads)
+    if wl.gpu_memory_utilization is not None:  # a fixed vLLM budget: the KV cache gets what the weights leave of it
+        free = min(free, wl.gpu_memory_utilization * gpu.memory_gib * GiB - vllm_w)
+    kv_gpu = kv_bytes_per_token(spec) / min(gen_tp, arch_of(spec).kv_splits)
     kv_tokens = int(max(free, 0) / kv_gpu)
     if kv_tokens < wl.seq_len:
         return (f"generation: {gen_tp}-GPU vLLM instances keep {vllm_w / GiB:.1f} GiB of weights"
                 + (f" next to the trainer's {resident / GiB:.1f} GiB of gradients" if colocated else "")
                 + f"; the KV cache holds {kv_tokens} tokens < one {wl.seq_len}-token sequence")
     gen = generation_time(spec, gpu, gen_tp, gen_gpus // gen_tp, kv_tokens, wl)
-    side = train_side_times(spec, gpu, tp, pp, dp, recompute, wl)
+    side = train_side_times(spec, gpu, tp, pp, dp, recompute, wl, ep)
     if colocated:
-        refit = vllm_w / (gpu.nvlink_gb_s * 1e9 * 0.5) + 0.5
+        # each GPU's vLLM shard comes from the trainer ranks that hold one copy of the model (tp * pp * ep of them):
+        # over NVLink when they share a node, else (a pipeline or EP group across nodes) over the network
+        one_copy_local = tp * pp * ep <= gpu.nvlink_domain
+        link = gpu.nvlink_gb_s * 1e9 * 0.5 if one_copy_local else gpu.network_gb_s * 1e9 * COLLECTIVE_EFF
+        refit = vllm_w / link + 0.5
         # both sides' weights (and the trainer's optimizer state) go to the host and back every step
         moved = (static - resident) + vllm_w
         switch = 2 * moved / (PCIE_GB_S * 1e9)
     else:
-        refit = vllm_w / (gpu.network_gb_s * 1e9 * 0.8) + 0.5
+        refit = vllm_w / (gpu.network_gb_s * 1e9 * COLLECTIVE_EFF) + 0.5
         switch = 0.0
     times = {"generate": gen["generate"], "logprobs": side["logprobs"], "train": side["train"], "refit": refit,
              "switch": switch}
     step = step_time(times, max_staleness=max_staleness)
     kv_bytes = kv_tokens * kv_gpu
-    p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, max_staleness=max_staleness,
+    p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, max_staleness=max_staleness, ep=ep,
              memory_gib=mem, train_peak_gib=train_peak / GiB, gen_peak_gib=(resident + vllm_w + kv_bytes) / GiB,
              kv_gib=kv_bytes / GiB, kv_tokens=kv_tokens, concurrency=gen["concurrency"], seqs_per_instance=gen["seqs"],
              times_s=times, step_s=step, eager_decode=wl.enforce_eager, vllm_gib=(vllm_w + kv_bytes) / GiB)

@@ -1,8 +1,8 @@
 """Named models and GPUs for `megatron-rl plan`.
 
 MODELS are the real architectures as HF config.json fields, so a preset goes through the same parser
-(`megatron_rl.models.provider.model_spec`) as a downloaded config. `PLAN_ONLY` marks architectures the trainer cannot
-build yet but whose shapes the planner can still reason about (given directly as ModelSpec fields).
+(`megatron_rl.models.provider.model_spec`) as a downloaded config. `PLAN_ONLY` holds architectures the trainer cannot
+build but whose shapes the planner can still reason about (their config.json fields, read by megatron_rl/plan_arch.py).
 
 GPUS: memory the driver reports, dense bf16 peak, HBM bandwidth, NVLink bandwidth per GPU (one direction), the size of
 the NVLink domain (tensor parallelism stays inside it), GPUs per host, and inter-node bandwidth per GPU.
@@ -34,6 +34,18 @@ def _qwen2(layers, hidden, ffn, heads, kv_heads, vocab, tied, max_pos, theta):
     }
 
 
+def _qwen3(layers, hidden, ffn, heads, kv_heads, **moe):
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"], "model_type":
+        "qwen3_moe" if moe else "qwen3", "num_hidden_layers": layers, "hidden_size": hidden,
+        "intermediate_size": ffn, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": 128,
+        "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "torch_dtype": "bfloat16", "rope_theta": 1_000_000.0, "use_sliding_window": False,
+        "attention_bias": False,
+    }
+    return dict(cfg, **moe)
+
+
 MODELS: dict[str, dict] = {
     # Qwen/Qwen2.5-1.5B(-Instruct): 1,543,714,304 parameters, tied embeddings
     "qwen2.5-1.5b": _qwen2(28, 1536, 8960, 12, 2, 151936, True, 32768, 1_000_000.0),
@@ -45,14 +57,28 @@ MODELS: dict[str, dict] = {
     "qwen2.5-32b": _qwen2(64, 5120, 27648, 40, 8, 152064, False, 32768, 1_000_000.0),
     # meta-llama/Llama-3.1-70B(-Instruct): 70,553,706,496
     "llama3.1-70b": _llama(80, 8192, 28672, 64, 8),
+    # Qwen/Qwen3-32B: head_dim 128 with 64 heads (q width 8192 > hidden 5120), per-head q/k RMSNorm
+    "qwen3-32b": _qwen3(64, 5120, 25600, 64, 8),
+    # Qwen/Qwen3-30B-A3B: 48 MoE layers of 128 experts (width 768), top 8, renormalised; 30,532,122,624 parameters,
+    # 3,353,032,704 active (the model card's 30.5B / 3.3B)
+    "qwen3-30b-a3b": _qwen3(48, 2048, 6144, 32, 4, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            router_aux_loss_coef=0.001),
 }
 
-# Qwen/Qwen3-32B (used to compare with NeMo-RL's published figures): head_dim 128 with 64 heads (q width 8192 > hidden
-# 5120), no QKV bias; its per-head q/k RMSNorm weights (64 x 256 = 16K parameters) are left out.
+# Architectures the trainer cannot build, as their config.json fields; the planner reads them itself
+# (megatron_rl/plan_arch.py says what it approximates).
 PLAN_ONLY: dict[str, dict] = {
-    "qwen3-32b": dict(architecture="Qwen3ForCausalLM", model_type="qwen3", num_layers=64, hidden_size=5120,
-                      ffn_hidden_size=25600, num_heads=64, num_kv_heads=8, head_dim=128, vocab_size=151936,
-                      tied_embeddings=False, qkv_bias=False, max_position_embeddings=40960),
+    # deepseek-ai/DeepSeek-V3: MLA attention, 3 dense layers then 58 MoE layers of 1 shared + 256 routed experts
+    # (width 2048), top 8; 671.0B parameters without the multi-token-prediction module, 37.6B active
+    "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
+    },
 }
 
 

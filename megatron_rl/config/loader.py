@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.schema import Config
-from megatron_rl.distributed.parallel_dims import check_engine_split, check_policy_split, layout_of
+from megatron_rl.distributed.parallel_dims import check_engine_split, check_expert_split, check_policy_split, layout_of
 
 
 class ConfigError(ValueError):
@@ -221,6 +221,8 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if cfg.generation.temperature <= 0:
         raise ConfigError(f"generation.temperature must be > 0 (the loss needs sampling logprobs), "
                           f"got {cfg.generation.temperature}")
+    if p.moe_aux_loss_coef < 0:
+        raise ConfigError(f"policy.moe_aux_loss_coef must be >= 0, got {p.moe_aux_loss_coef}")
     if g.loss.ratio_clip_c is not None and g.loss.ratio_clip_c <= 1.0:
         raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) must be > 1, got {g.loss.ratio_clip_c}")
     _validate_algorithm(cfg)
@@ -272,8 +274,9 @@ def _validate_algorithm(cfg: Config) -> None:
 
 
 def validate_against_model(cfg: Config) -> None:
-    """The trainer's and the engine's tensor/pipeline split must suit the model's shape (its config.json): the rules
-    of `parallel_dims.check_policy_split` / `check_engine_split`, which the planner applies too."""
+    """The trainer's and the engine's tensor/pipeline/expert split must suit the model's shape (its config.json): the
+    rules of `parallel_dims.check_policy_split` / `check_engine_split` / `check_expert_split`, which the planner
+    applies too."""
     model_dir = resolve_model_dir(cfg.policy.model)
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
@@ -288,6 +291,11 @@ def validate_against_model(cfg: Config) -> None:
         check_engine_split(tp=cfg.generation.tp, heads=heads, kv_heads=kv)
     except ValueError as e:
         raise ConfigError(f"{e} of {cfg_file}") from None
+    try:  # the expert count under either spelling (transformers saves Qwen3-MoE's as num_local_experts)
+        check_expert_split(ep=cfg.policy.ep, tp=cfg.policy.tp, aux_loss_coef=cfg.policy.moe_aux_loss_coef,
+                           num_experts=hf.get("num_experts") or hf.get("num_local_experts"))
+    except ValueError as e:
+        raise ConfigError(f"{e} (model: {cfg_file})") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:

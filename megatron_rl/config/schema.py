@@ -50,6 +50,15 @@ class PolicyConfig:
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None  # default: world size / (tp * pp)
+    # expert parallelism (MoE models): each expert lives on one of ep ranks. As in megatron-core, the EP ranks are
+    # taken out of the data-parallel ones (ep divides dp; experts' gradients average over dp / ep replicas), so ep
+    # does not change the world size tp * pp * dp
+    ep: int = 1
+    # MoE router load-balancing (Switch) loss, coef x its token-weighted mean over micro-batches, added to the policy
+    # loss; 0: off. Off by default rather than HF's router_aux_loss_coef: that is a pre-training setting (of a loss
+    # normalised differently: HF sums over the top-k and pools layers), and balancing is not part of the RL objective
+    # (it pulls the router away from the policy being optimised)
+    moe_aux_loss_coef: float = 0.0
     # auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16/AMX), else fp32. No fp16: it needs dynamic
     # loss scaling, which is not wired (the loader says so)
     precision: Literal["auto", "fp32", "bf16"] = "auto"

@@ -6,7 +6,11 @@
 - `device_layout` decides which devices the policy ranks and the rollout engines get; the config loader validates
   with it, `build()` places with it and `megatron-rl plan` proposes only layouts it accepts.
 - `check_policy_split` / `check_engine_split` are the model-shape rules of megatron-core and vLLM (heads, KV heads,
-  layers, FFN width vs TP and PP), read by the loader (from the model's config.json) and the planner (from its spec).
+  layers, FFN width vs TP and PP), read by the loader (from the model's config.json) and the planner (from its spec);
+  `check_expert_split` adds expert parallelism's (EP vs the expert count, MoE training vs TP).
+- Expert parallelism (`ep`) does not add ranks: as in megatron-core, experts are laid out over the same world with
+  their own order tp-ep-edp-pp (expert TP = TP), so EP ranks are data-parallel ranks and ep must divide dp; each
+  expert's gradients average over the dp / ep expert-data-parallel replicas.
 """
 from __future__ import annotations
 
@@ -18,16 +22,34 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism, carved out of dp (module doc)
+
+    def __post_init__(self):
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"policy.ep={self.ep} must divide the data-parallel size dp={self.dp} (expert "
+                             "parallelism takes its ranks out of the data-parallel ones, as in megatron-core)")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert (megatron's expert-data-parallel size)."""
+        return self.dp // self.ep
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """megatron-core's expert coordinates of a rank (order tp-ep-edp-pp with expert TP = TP): which EP shard of
+        the experts it holds ("ep") and which replica of that shard it is ("edp")."""
+        c = self.coords(rank)
+        return {"tp": c["tp"], "ep": c["dp"] % self.ep, "edp": c["dp"] // self.ep, "pp": c["pp"]}
+
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+                   ep: int = 1) -> "ParallelDims":
         if world_size % (tp * pp):
             raise ValueError(f"tp*pp={tp * pp} does not divide world size {world_size}")
-        dims = cls(tp=tp, pp=pp, dp=dp if dp is not None else world_size // (tp * pp))
+        dims = cls(tp=tp, pp=pp, dp=dp if dp is not None else world_size // (tp * pp), ep=ep)
         if dims.world_size != world_size:
             raise ValueError(f"tp*pp*dp={dims.world_size} != world size {world_size}")
         return dims
@@ -97,15 +119,16 @@ class DeviceLayout:
 
 
 def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
-                  gen_dp: int | None, max_staleness: int = 0) -> DeviceLayout:
+                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1) -> DeviceLayout:
     """The layout of `devices` devices (GPUs, or CPU slots on CPU machines), or ValueError naming the config keys.
 
     Colocated: the policy's ranks take the devices (default dp: devices / (tp*pp)) and the engines time-share them.
     Disaggregated (`cluster.colocated: false`): the engines' devices (generation.dp * generation.tp, default one
     engine) come out of the same count and the policy gets the rest, so a config that names its allocation's devices
     reserves exactly those. Async GRPO (`grpo.max_staleness >= 1`) overlaps generation with training, which only
-    separate devices allow."""
-    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("generation.tp", gen_tp), ("cluster devices", devices)):
+    separate devices allow. Expert parallelism (policy.ep) divides the policy's data-parallel ranks, adding none."""
+    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("policy.ep", ep), ("generation.tp", gen_tp),
+                   ("cluster devices", devices)):
         if v < 1:
             raise ValueError(f"{key} must be >= 1, got {v}")
     for key, v in (("policy.dp", dp), ("generation.dp", gen_dp)):
@@ -129,7 +152,7 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
         raise ValueError(f"policy.tp*pp*dp = {ranks} ranks do not fit cluster: {whose}")
     if dp is None and room % (tp * pp):
         raise ValueError(f"policy.tp*pp = {tp * pp} does not divide {whose}; set policy.dp explicitly")
-    policy = ParallelDims(tp=tp, pp=pp, dp=room // (tp * pp) if dp is None else dp)
+    policy = ParallelDims(tp=tp, pp=pp, dp=room // (tp * pp) if dp is None else dp, ep=ep)
     n_engines, _ = _engines(policy_world=policy.world_size, colocated=colocated, tp=gen_tp, dp=gen_dp)
     return DeviceLayout(devices, colocated, policy, gen_tp, n_engines)
 
@@ -145,7 +168,7 @@ def layout_of(cfg) -> DeviceLayout:
     """`device_layout` of a `Config` (what `build()` places and the loader validates)."""
     c, p, g = cfg.cluster, cfg.policy, cfg.generation
     return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
-                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness)
+                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep)
 
 
 def check_policy_split(*, tp: int, pp: int, heads: int, kv_heads: int, layers: int, ffn: int | None) -> None:
@@ -166,3 +189,24 @@ def check_engine_split(*, tp: int, heads: int, kv_heads: int) -> None:
         raise ValueError(f"generation.tp={tp} does not divide num_attention_heads={heads}")
     if kv_heads and kv_heads % tp and tp % kv_heads:
         raise ValueError(f"generation.tp={tp} neither divides nor is a multiple of num_key_value_heads={kv_heads}")
+
+
+def check_expert_split(*, ep: int, tp: int, num_experts: int | None, aux_loss_coef: float = 0.0) -> None:
+    """Expert parallelism and MoE training vs the model (num_experts: None for a dense model): EP needs an MoE model
+    whose expert count it divides; megatron-core trains MoE layers at TP > 1 only with sequence parallelism
+    (`MoELayer.forward` raises otherwise), which megatron-rl does not enable (and megatron's local layer spec, the
+    CPU one, cannot: its torch RMSNorm refuses sequence parallelism). ValueError naming the key otherwise."""
+    if not num_experts:
+        if ep > 1:
+            raise ValueError(f"policy.ep={ep} needs a mixture-of-experts model; this one is dense (no num_experts / "
+                             "num_local_experts)")
+        if aux_loss_coef:
+            raise ValueError(f"policy.moe_aux_loss_coef={aux_loss_coef} needs a mixture-of-experts model; this one "
+                             "is dense")
+        return
+    if num_experts % ep:
+        raise ValueError(f"policy.ep={ep} does not divide the expert count {num_experts}")
+    if tp > 1:
+        raise ValueError(f"policy.tp={tp} with a mixture-of-experts model: megatron-core trains MoE layers at TP > 1 "
+                         "only with sequence parallelism, which megatron-rl does not enable; use policy.tp=1 with "
+                         "policy.ep / policy.pp")

@@ -77,12 +77,13 @@ def tiny_hf_config(kind: str) -> dict:
     return json.loads(json.dumps(TINY_CONFIGS[kind]))
 
 
-def make_tiny_hf_model(kind: str, seed: int = 0, dtype=None):
-    """A randomly initialised transformers model of the given kind (eager attention, eval mode)."""
+def make_tiny_hf_model(kind: str, seed: int = 0, dtype=None, config_overrides: dict | None = None):
+    """A randomly initialised transformers model of the given kind (eager attention, eval mode); `config_overrides`
+    replace config fields (e.g. a real tokenizer's vocab_size and special token ids)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = tiny_hf_config(kind)
+    cfg = {**tiny_hf_config(kind), **(config_overrides or {})}
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -109,12 +110,13 @@ def disk_state_dict(model) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def write_tiny_hf_model(out_dir, kind: str, seed: int = 0, tokenizer_from=None, max_shard_size=None) -> Path:
+def write_tiny_hf_model(out_dir, kind: str, seed: int = 0, tokenizer_from=None, max_shard_size=None,
+                        config_overrides: dict | None = None) -> Path:
     """Save a tiny random model as an HF folder; copies tokenizer files from `tokenizer_from` when given."""
     from megatron_rl.models.hf_io import copy_tokenizer_files
 
     out = Path(out_dir)
-    model = make_tiny_hf_model(kind, seed)
+    model = make_tiny_hf_model(kind, seed, config_overrides=config_overrides)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kw)
     if tokenizer_from is not None:

@@ -34,6 +34,7 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, packing
+from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
@@ -79,17 +80,22 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             dist.init_process_group(plat.dist_backend)
         cfg = self.cfg
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                     expert_model_parallel_size=cfg.ep)
         self.device = plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
         self.model_dir = resolve_model_dir(cfg.model)
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         self.dtype = plat.resolve_dtype(cfg.precision)
+        # per-token loss mode (module doc) at construction: MoE routers read it there. The load-balancing loss when
+        # policy.moe_aux_loss_coef > 0 (its coefficient is set per step, `grad_ops.moe_aux_loss_coeff`)
+        aux = dict(moe_router_load_balancing_type="aux_loss") if cfg.moe_aux_loss_coef > 0 else {}
         # no random init: the HF weights overwrite every parameter right after (build_model still tags the
         # tensor-parallel weights, which grad-norm and clipping rely on)
         gpt = build_model(hf_config, params_dtype=self.dtype, seed=cfg.seed, init_weights=False,
                           recompute_granularity="full" if cfg.activation_recompute else None,
                           recompute_method="uniform" if cfg.activation_recompute else None,
-                          recompute_num_layers=1 if cfg.activation_recompute else None)
+                          recompute_num_layers=1 if cfg.activation_recompute else None,
+                          calculate_per_token_loss=True, **aux)
         gpt.to(self.device)
         if self.dtype != torch.float32:
             # megatron's local spec builds its norm weights in fp32 whatever params_dtype says (transformer-engine's
@@ -107,7 +113,6 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
 
         self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
         self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head
-        tcfg.calculate_per_token_loss = True
         tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
         self.gpt = gpt
         self.model = DistributedDataParallel(
@@ -281,6 +286,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
 
             return logits, loss_func
 
+        if self.cfg.moe_aux_loss_coef > 0:
+            self.gpt.config.moe_aux_loss_coeff = moe_aux_loss_coeff(self.cfg.moe_aux_loss_coef, mbs, n_tokens)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced_list = self._schedule(mbs, step, forward_only=False)
@@ -316,7 +323,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             self.model.zero_grad_buffer()
             return True, norm
         if opt.config.clip_grad > 0:
-            opt.clip_grad_norm(opt.config.clip_grad)
+            clip_to_total_norm(self.optimizer, norm)
         opt.step_with_ready_grads()
         self.scheduler.step(increment=1)
         self.step += 1

@@ -208,7 +208,7 @@ def test_write_config_refusals_leave_no_file(tmp_path, capsys):
         (["--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "4096"], "does not say where the weights are"),
         (["--model", "llama3.1-8b", "--gpus", "8", "--seq-len", "4096", "--base", str(recipe)],
          "the plan is for llama3.1-8b, but the config trains"),
-        (["--model", "qwen3-32b", "--gpus", "32", "--seq-len", "4096", "--base", str(recipe)], "planning only"),
+        (["--model", "deepseek-v3", "--gpus", "256", "--seq-len", "1536", "--base", str(recipe)], "planning only"),
         (["--model", str(model), "--gpus", "8", "--colocated", "--max-staleness", "1"], "needs cluster.colocated"),
         (["--model", str(model), "--gpus", "8", "--colocated", "--gen-gpus", "2"], "needs --disaggregated"),
     ]
