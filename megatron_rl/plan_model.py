@@ -34,7 +34,8 @@ Phase times:
   logprobs 2 * params * tokens per forward-only pass: the "old" pass when the loop runs one (several optimizer steps
   per rollout, or async) and the KL reference's (grpo.logprob_passes(), the loop's own rule);
   decode is HBM-bandwidth bound: every step reads the instance's weights (MoE: the experts its batch picked) and
-  its live KV cache (MLA: vLLM's compressed latent), plus two TP all-reduces per layer, with concurrency
+  its live KV cache (MLA: vLLM's compressed latent), plus two TP all-reduces per layer (vLLM's custom all-reduce
+  inside a node, measured ~9 us + its bytes at ~0.11 of NVLink; across nodes NCCL's tree latency), with concurrency
   limited by the KV cache and vLLM's max_num_seqs; the step also lasts as long as its longest response (some GRPO
   samples always run to the limit), so the tail runs at small batch. Decode runs as CUDA graphs unless
   `--enforce-eager` (generation.enforce_eager; the default is the config's): eager, the CPU launches every layer's
@@ -69,7 +70,9 @@ from megatron_rl.plan_presets import GPU
 GiB = 2**30
 MFU = 0.40  # achieved/peak bf16 for Megatron dense training and forward passes at h >= 4096 (RL packing included)
 # routed-expert GEMMs with their router and permutes: Megatron-Bridge's H100 Qwen3-30B-A3B pre-training rate (module
-# doc; tests/unit/test_plan_moe.py pins it). Small experts (768 wide) run far below the dense MFU
+# doc; tests/unit/test_plan_moe.py pins it). Small experts (768 wide) run far below the dense MFU. The calibration row
+# is FP8 (25.11: 16 GPUs, PP 2, EP 8, 5,275 tokens/s/GPU): Megatron-Bridge publishes no H100 BF16 row for this model
+# (performance summaries 25.09 to 26.02.01; its later FP8 rows range 5,113 to 9,058), so bf16 runs are estimated fast
 MOE_MFU = 0.10
 PREFILL_MFU = 0.50
 DECODE_BW_EFF = 0.70  # fraction of HBM bandwidth a decode step reaches
@@ -80,6 +83,19 @@ EAGER_LAUNCH_S_PER_LAYER = 2e-4
 MAX_NUM_SEQS = 1024  # vLLM's default concurrency cap on >= 70 GiB GPUs other than A100 (256 there)
 PCIE_GB_S = 25.0
 COLLECTIVE_EFF = 0.8  # achieved / link bandwidth of NCCL collectives (gradient reduce-scatter, MoE all-to-all, TP)
+# vLLM's tensor-parallel all-reduce of one decode step (batch x hidden, bf16; tp_allreduce_s). Inside an NVLink domain
+# vLLM runs its own custom all-reduce; measured on H100 at TP 2/4/8 (github.com/sgl-project/sglang/pull/2904, vLLM's
+# kernel): 8.5-10 us up to 32 KB, and 27/40/45 us at 1 MB, where its ring-equivalent bytes 2(n-1)/n x size move at
+# 50-60 GB/s, about 0.11 of NVLink's 450 (0.5 MB: 43-60 GB/s) -- decode's messages are far from NVLink's peak
+AR_NVLINK_LATENCY_S = 9e-6
+AR_NVLINK_EFF = 0.11
+# across nodes vLLM falls back to NCCL, which picks tree + LL for small messages; NCCL's own tuning model
+# (NVIDIA/nccl src/graph/tuning.cc, its baseLat/hwLat tables) prices that at 6.8 us + 2 x ((GPUs per node - 1) x
+# 0.6 us per NVLink hop + log2(nodes) x 5.0 us per network hop): 35 us for TP 32 over 4 nodes. The bytes cross the
+# network as a ring.
+NCCL_TREE_LL_BASE_S = 6.8e-6
+NCCL_LL_NVLINK_HOP_S = 0.6e-6
+NCCL_LL_NET_HOP_S = 5.0e-6
 TP_EFF = {1: 1.0, 2: 0.97, 4: 0.93, 8: 0.88}  # tensor-parallel communication inside NVLink
 SEQUENCE_PARALLEL = False  # the policy worker does not turn it on: norm activations are replicated over TP
 
@@ -272,6 +288,19 @@ def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool,
     return {"logprobs": logprobs, "train": train, "bubble": bubble - 1.0, "balance": balance}
 
 
+def tp_allreduce_s(nbytes: float, n: int, gpu: GPU) -> float:
+    """One all-reduce of `nbytes` over a vLLM engine's `n` tensor-parallel ranks: vLLM's custom all-reduce inside an
+    NVLink domain, NCCL's tree/LL latency across nodes (constants and sources above), plus the ring's bytes."""
+    if n == 1:
+        return 0.0
+    ring = 2 * (n - 1) / n * nbytes
+    if n <= gpu.nvlink_domain:
+        return AR_NVLINK_LATENCY_S + ring / (gpu.nvlink_gb_s * 1e9 * AR_NVLINK_EFF)
+    nodes = math.ceil(n / gpu.nvlink_domain)
+    hops = (n // nodes - 1) * NCCL_LL_NVLINK_HOP_S + math.ceil(math.log2(nodes)) * NCCL_LL_NET_HOP_S
+    return NCCL_TREE_LL_BASE_S + 2 * hops + ring / (gpu.network_gb_s * 1e9 * COLLECTIVE_EFF)
+
+
 def generation_time(spec, gpu: GPU, gen_tp: int, instances: int, kv_tokens: int, wl: Workload) -> dict:
     a = arch_of(spec)
     seqs = math.ceil(wl.samples / instances)
@@ -282,12 +311,8 @@ def generation_time(spec, gpu: GPU, gen_tp: int, instances: int, kv_tokens: int,
     fwd = fwd_flops_per_token(a, wl.mean_len)
     launch = a.layers * EAGER_LAUNCH_S_PER_LAYER if wl.enforce_eager else 0.0  # a floor on the GPU work
 
-    def tp_allreduce(batch: int) -> float:  # two per layer (attention, MLP): latency, and a ring over the instance
-        if gen_tp == 1:
-            return 0.0
-        link = gpu.nvlink_gb_s if gen_tp <= gpu.nvlink_domain else gpu.network_gb_s
-        ring = 2 * (gen_tp - 1) / gen_tp * batch * a.hidden * 2 / (link * 1e9 * COLLECTIVE_EFF)
-        return 2 * a.layers * (8e-6 + ring)
+    def tp_allreduce(batch: int) -> float:  # two per layer (attention, MLP) of the step's hidden states
+        return 2 * a.layers * tp_allreduce_s(batch * a.hidden * 2.0, gen_tp, gpu)
 
     resp_mean = max(1, wl.mean_len - wl.prompt_len)
     resp_max = max(resp_mean, wl.seq_len - wl.prompt_len)

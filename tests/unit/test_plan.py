@@ -228,3 +228,24 @@ def test_decode_mode_follows_the_config_default_and_enforce_eager(capsys):
     assert all(p["eager_decode"] for p in json.loads(capsys.readouterr().out))
     assert P.main(["--model", "qwen2.5-1.5b", "--gpus", "8", "--colocated", "--enforce-eager"]) == 0
     assert "decode: eager (generation.enforce_eager" in capsys.readouterr().out
+
+
+# vLLM's custom all-reduce on H100, measured (github.com/sgl-project/sglang/pull/2904, "vllm" table, no CUDA graph):
+# message bytes -> microseconds at TP 2 / 4 / 8
+_VLLM_AR_H100_US = {512: (9.5, 9.1, 10.1), 4096: (8.8, 8.5, 9.3), 32768: (8.7, 9.2, 11.8),
+                    262144: (12.9, 20.6, 24.1), 524288: (17.7, 26.9, 30.4), 1048576: (26.6, 40.2, 45.0)}
+
+
+def test_decode_all_reduce_follows_vllms_measured_kernel_and_nccls_tree_latency():
+    from megatron_rl.plan_model import tp_allreduce_s
+
+    h100 = GPUS["h100"]
+    for size, measured in _VLLM_AR_H100_US.items():
+        for tp, us in zip((2, 4, 8), measured):
+            assert tp_allreduce_s(size, tp, h100) * 1e6 == pytest.approx(us, rel=0.25), (size, tp)
+    assert tp_allreduce_s(1e6, 1, h100) == 0.0
+    # TP 32 spans 4 nodes: NCCL's tree/LL latency from its tuning model, 6.8 + 2 x (7 x 0.6 + 2 x 5.0) = 35.2 us, plus
+    # a 1 KB ring over the network (50 GB/s x 0.8)
+    ring_us = 2 * 31 / 32 * 1024 / (50e9 * 0.8) * 1e6
+    assert tp_allreduce_s(1024, 32, h100) * 1e6 == pytest.approx(35.2 + ring_us)
+    assert tp_allreduce_s(1024, 16, h100) < tp_allreduce_s(1024, 32, h100) < tp_allreduce_s(1024, 64, h100)
