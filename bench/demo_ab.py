@@ -3,6 +3,7 @@ reward.
 
     .venv/bin/python bench/demo_ab.py --compare precision [--steps 6] [--warmup 1] [key=value overrides ...]
     .venv/bin/python bench/demo_ab.py --compare async ...
+    .venv/bin/python bench/demo_ab.py --compare packing ...
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with validation and checkpoints off.
 - precision: fp32 vs bf16 everywhere (trainer: megatron mixed precision with fp32 main weights and Adam; engine:
@@ -11,6 +12,10 @@ Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with validation an
   engine take turns on every core. Async: the engine has its own slot and generates step s+1 while step s trains; on
   a 2-core machine each side then gets one core, so the overlap competes with halved per-phase speed — the numbers
   say which wins here; on GPUs each side keeps its own devices.
+- packing: the training layout, both bf16 with shared prefix: one padded row per group with an explicit block mask
+  through megatron's unfused attention (policy.packing=none) vs one packed THD row per micro-batch with cascade
+  attention on torch's fused kernel (policy.packing=varlen); also shows what each does to the generator/trainer
+  mismatch metrics.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ COMPARISONS = {
         "async disaggregated (max_staleness=1)": ["cluster.colocated=false", "cluster.devices_per_node=2",
                                                   "grpo.max_staleness=1"],
     },
+    "packing": {"bf16 mask (packing=none)": ["policy.precision=bf16", "policy.packing=none"],
+                "bf16 cascade (packing=varlen)": ["policy.precision=bf16", "policy.packing=varlen"]},
 }
 
 

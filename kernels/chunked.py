@@ -43,7 +43,8 @@ def _pick(x, cols, lo, hi):
 
 def _tile(x, r0, r1, c0, cols, temperature):
     # copy=True: .float() of an fp32 tensor is the tensor itself, and the callers modify tiles in place
-    return x[r0:r1, c0:c0 + cols].to(torch.float32, copy=True).div_(temperature)
+    z = x[r0:r1, c0:c0 + cols].to(torch.float32, copy=True)
+    return z if temperature == 1.0 else z.div_(temperature)  # x / 1 is x: skip a pass over the tile
 
 
 def _update(m, s, w, z, with_entropy: bool):
@@ -84,19 +85,23 @@ def row_stats(x: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, tempe
 def _grad_tile(z, m, log_s, mz, g_lp, g_ent, local_t, c0, temperature):
     """fp32 gradient of one tile: (g_lp * (onehot - p) - g_ent * p * (z - E[z])) / T, z given as fp32 x / T."""
     zm = z.sub_(m[:, None]).clamp_(min=_NEG_BIG)  # z - M (finite)
-    p = torch.exp(zm - log_s[:, None])
+    # without the entropy term zm is not needed again: p in place (the same arithmetic, one tile fewer)
+    p = torch.exp(zm - log_s[:, None]) if g_ent is not None else zm.sub_(log_s[:, None]).exp_()
     if g_ent is not None:
         g = p * (zm - mz[:, None])
         g.mul_(-g_ent[:, None])
+        if g_lp is not None:
+            g.sub_(p.mul_(g_lp[:, None]))
+    elif g_lp is not None:
+        g = p.mul_(-g_lp[:, None])  # 0 - p * g_lp, without a zero tile and a pass to subtract from it
     else:
         g = torch.zeros_like(p)
     if g_lp is not None:
-        g.sub_(p.mul_(g_lp[:, None]))
         # onehot: add g_lp at the target column of rows whose target lies in this tile
         t = local_t - c0
         hit = (t >= 0) & (t < g.shape[1])
         g.scatter_add_(1, t.clamp(0, g.shape[1] - 1)[:, None], torch.where(hit, g_lp, 0.0)[:, None])
-    return g.div_(temperature)
+    return g if temperature == 1.0 else g.div_(temperature)
 
 
 def grad_logits(x: torch.Tensor, targets: torch.Tensor, m, log_s, mz, g_lp, g_ent, *, vocab_start: int,

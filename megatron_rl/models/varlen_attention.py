@@ -80,60 +80,120 @@ def _part_backward(do, q, k, v, o, lse, causal: bool, scale: float, rng):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-class _Cascade(torch.autograd.Function):
-    """Queries attending to (k_p, v_p) in full and to (k_o, v_o) causally; merged by log-sum-exp."""
+def _merge(o_p, lse_p, o_o, lse_o, dtype):
+    """Two parts' outputs merged by log-sum-exp, in fp32 at least (fp64 stays fp64): (out in `dtype`, lse)."""
+    acc = torch.promote_types(dtype, torch.float32)
+    lse = torch.logaddexp(lse_p.to(acc), lse_o.to(acc))
+    out = (torch.exp(lse_p - lse)[..., None] * o_p.to(acc) + torch.exp(lse_o - lse)[..., None] * o_o.to(acc))
+    return out.to(dtype), lse
+
+
+def _runs(segs):
+    """Segments grouped into runs: consecutive, gap-free segments attending the same prefix (a GRPO group's
+    completions), or a single segment. (prefix start, prefix length, [(start, length), ...])."""
+    runs = []
+    for s, n, ps, pn in segs:
+        last = runs[-1] if runs else None
+        if pn and last and last[:2] == (ps, pn) and sum(last[2][-1]) == s:
+            last[2].append((s, n))
+        else:
+            runs.append((ps, pn, [(s, n)]))
+    return runs
+
+
+class _PackedRow(torch.autograd.Function):
+    """A whole packed row [t, h, d] in one autograd node. Per segment: causal attention to itself, and for a
+    cascade segment also full attention to its prefix, merged by log-sum-exp. The prefix part of a group's
+    completions is ONE kernel call over all their queries (attention to the prefix is full, so each query's result
+    is its own), whose backward also sums the prefix's key/value gradient over the group. One node, not one per
+    segment: autograd's backward of each segment's slice of q, k, v would materialise a zero tensor of the whole
+    row and add it into the row's gradient, O(segments x t) work per layer. Segments are strided views of the row
+    (no per-segment copies); outputs and gradients are concatenated once."""
 
     @staticmethod
-    def forward(ctx, q, k_p, v_p, k_o, v_o, scale):
-        o_p, lse_p, rng_p = _part_forward(q, k_p, v_p, False, scale)
-        o_o, lse_o, rng_o = _part_forward(q, k_o, v_o, True, scale)
-        acc = torch.promote_types(q.dtype, torch.float32)  # merge in fp32 at least (fp64 stays fp64)
-        lse = torch.logaddexp(lse_p.to(acc), lse_o.to(acc))
-        out = (torch.exp(lse_p - lse)[..., None] * o_p.to(acc)
-               + torch.exp(lse_o - lse)[..., None] * o_o.to(acc)).to(q.dtype)
-        ctx.save_for_backward(q, k_p, v_p, k_o, v_o, out, lse)
-        ctx.scale, ctx.rng = scale, (rng_p, rng_o)
-        return out
+    def forward(ctx, query, key, value, segs, scale):
+        t, h, d = query.shape
+        q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # [1, h, t, d] views
+        runs = _runs(segs)
+        pieces, saved, at = [], [], 0
+        for ps, pn, members in runs:
+            s0, end = members[0][0], sum(members[-1])
+            if s0 > at:  # padding rows give 0
+                pieces.append(query.new_zeros(1, h, s0 - at, d))
+            own = [_part_forward(*(x[:, :, s:s + n] for x in (q, k, v)), True, scale) for s, n in members]
+            o = torch.cat([x[0] for x in own], dim=2) if len(own) > 1 else own[0][0]
+            lse = torch.cat([x[1] for x in own], dim=2) if len(own) > 1 else own[0][1]
+            rng_p = ()
+            if pn:
+                o_p, lse_p, rng_p = _part_forward(q[:, :, s0:end], k[:, :, ps:ps + pn], v[:, :, ps:ps + pn], False,
+                                                  scale)
+                o, lse = _merge(o_p, lse_p, o, lse, query.dtype)
+            pieces.append(o)
+            saved.append((lse, [x[2] for x in own], rng_p))
+            at = end
+        if t > at:
+            pieces.append(query.new_zeros(1, h, t - at, d))
+        out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]  # [1, h, t, d]
+        ctx.save_for_backward(query, key, value, out)
+        ctx.runs, ctx.scale, ctx.saved = runs, scale, saved
+        return out[0].transpose(0, 1).reshape(t, h * d)
 
     @staticmethod
-    def backward(ctx, do):
-        q, k_p, v_p, k_o, v_o, out, lse = ctx.saved_tensors
-        do = do.contiguous()
-        dq_p, dk_p, dv_p = _part_backward(do, q, k_p, v_p, out, lse, False, ctx.scale, ctx.rng[0])
-        dq_o, dk_o, dv_o = _part_backward(do, q, k_o, v_o, out, lse, True, ctx.scale, ctx.rng[1])
-        return dq_p + dq_o, dk_p, dv_p, dk_o, dv_o, None
+    def backward(ctx, dout):
+        query, key, value, out = ctx.saved_tensors
+        t, h, d = query.shape
+        q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
+        do = dout.reshape(t, h, d).transpose(0, 1)[None]
+        acc = torch.promote_types(query.dtype, torch.float32)
+        dq, dk, dv = [], [], []  # per segment (and padding gap), in row order
+        piece_at, to_prefix = {}, []  # segment start -> its index in dk/dv; (prefix start, dk, dv) to add there
+        at = 0
+        for (ps, pn, members), (lse, rngs, rng_p) in zip(ctx.runs, ctx.saved):
+            s0, end = members[0][0], sum(members[-1])
+            if s0 > at:
+                for g in (dq, dk, dv):
+                    g.append(query.new_zeros(1, h, s0 - at, d))
+            g_q = []
+            for (s, n), rng in zip(members, rngs):
+                a, b, c = _part_backward(*(x[:, :, s:s + n] for x in (do, q, k, v, out)), lse[:, :, s - s0:s - s0 + n],
+                                         True, ctx.scale, rng)
+                piece_at[s] = len(dk)
+                g_q.append(a)
+                dk.append(b)
+                dv.append(c)
+            g_q = torch.cat(g_q, dim=2) if len(g_q) > 1 else g_q[0]
+            if pn:
+                g_qp, g_kp, g_vp = _part_backward(do[:, :, s0:end], q[:, :, s0:end], k[:, :, ps:ps + pn],
+                                                  v[:, :, ps:ps + pn], out[:, :, s0:end], lse, False, ctx.scale,
+                                                  rng_p)
+                g_q = g_q + g_qp
+                to_prefix.append((ps, g_kp, g_vp))
+            dq.append(g_q)
+            at = end
+        if t > at:
+            for g in (dq, dk, dv):
+                g.append(query.new_zeros(1, h, t - at, d))
+        for ps, g_kp, g_vp in to_prefix:  # a prefix's own gradient plus its group's, summed in fp32 at least
+            i = piece_at[ps]
+            dk[i] = dk[i].to(acc) + g_kp
+            dv[i] = dv[i].to(acc) + g_vp
+        return (*(torch.cat([p.to(x.dtype) for p in g], dim=2)[0].transpose(0, 1)
+                  for g, x in ((dq, query), (dk, key), (dv, value))), None, None)
 
 
 # ------------------------------------------------------------------------------------------ the packed row
 
 def varlen_attention(query, key, value, params: PackedSeqParams, scale: float) -> torch.Tensor:
     """query [t, hq, d], key/value [t, hk, d] (hq a multiple of hk) -> [t, hq * d]; padding rows give 0."""
-    t, hq, d = query.shape
+    hq = query.shape[1]
     if key.shape[1] != hq:  # grouped-query attention: share each key/value head with its query group
         key = key.repeat_interleave(hq // key.shape[1], dim=1)
         value = value.repeat_interleave(hq // value.shape[1], dim=1)
-    q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # [1, h, t, d]
     starts, lengths, prefix_of = segments_of(params)
-    pieces, at = [], 0
-    for s, n, p in zip(starts, lengths, prefix_of):
-        if s > at:
-            pieces.append(query.new_zeros(1, hq, s - at, d))
-        qs, ks, vs = (x[:, :, s:s + n] for x in (q, k, v))
-        if p < 0:
-            pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
-        else:
-            ps, pn = starts[p], lengths[p]
-            if pn == 0:
-                pieces.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale))
-            else:
-                pieces.append(_Cascade.apply(qs.contiguous(), k[:, :, ps:ps + pn].contiguous(),
-                                             v[:, :, ps:ps + pn].contiguous(), ks.contiguous(), vs.contiguous(),
-                                             scale))
-        at = s + n
-    if t > at:
-        pieces.append(query.new_zeros(1, hq, t - at, d))
-    out = torch.cat(pieces, dim=2)[0].transpose(0, 1)  # [t, h, d]
-    return out.reshape(t, hq * d)
+    # (start, length, prefix start, prefix length); prefix length 0: plain causal segment
+    segs = tuple((s, n, starts[p] if p >= 0 else 0, lengths[p] if p >= 0 else 0)
+                 for s, n, p in zip(starts, lengths, prefix_of) if n > 0)
+    return _PackedRow.apply(query, key, value, segs, scale)
 
 
 class VarlenMixin:

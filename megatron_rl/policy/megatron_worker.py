@@ -33,7 +33,7 @@ from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
-from megatron_rl.policy import batching, packing
+from megatron_rl.policy import batching, identity_collectives, packing
 from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
@@ -120,6 +120,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                      use_distributed_optimizer=cfg.optimizer.distributed))
         tcfg.no_sync_func = self.model.no_sync
+        identity_collectives.install()  # DP=1: no whole-model gradient/parameter copies per step
         tcfg.finalize_model_grads_func = finalize_model_grads
         self._build_optimizer()
         # Reference policy for KL: the initial weights, host-resident (no extra device memory while training).

@@ -115,3 +115,29 @@ def test_a_one_token_prompt_group_has_no_shared_segment():
     assert not isinstance(mb.packed, CascadeSeqParams)  # two plain causal segments: [7, 1] and [7]
     assert mb.tokens.tolist() == [[7, 1, 7]] and mb.position_ids.tolist() == [[0, 1, 0]]
     assert batching.flat(mb.targets, mb).tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
+def test_a_group_of_adjacent_completions_against_fp64(dtype, tol):
+    """A group whose completions lie back to back (their prefix part runs as one kernel call), a plain sequence
+    after it; the packed row in bf16 (as the bf16 trainer runs it) and fp64 against the fp64 masked reference on
+    the same inputs: bf16 within a few spacings, fp64 exactly. A prefix's key/value gradient gathers from every
+    completion of its group (here 6), so a lost or double-counted contribution shows far above that."""
+    torch.manual_seed(1)
+    starts = [0, 7, 12, 17, 22, 27, 32, 37]
+    lengths, prefix_of = [7] + [5] * 6 + [4], [-1] + [0] * 6 + [-1]
+    t, hq, hk, d = 44, 4, 2, 16
+    q, k, v = (torch.randn(t, h, d, dtype=dtype, requires_grad=True) for h in (hq, hk, hk))
+    params = CascadeSeqParams(qkv_format="thd", prefix_of=prefix_of, starts=starts, lengths=lengths)
+    scale = 1 / math.sqrt(d)
+    out = varlen_attention(q, k, v, params, scale)
+    assert out.dtype == dtype
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = _masked_reference(q64, k64, v64, starts, lengths, prefix_of, scale)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=0)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * g).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum(), (q64, k64, v64))
+    for a, w in zip(got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), w, atol=3 * tol, rtol=tol)
