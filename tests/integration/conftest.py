@@ -56,26 +56,6 @@ def write_tiny_llama(out_dir, *, seed: int = 0, tied: bool = False, hidden: int 
     return out
 
 
-def write_tiny_moe(out_dir, *, seed: int = 0, kind: str = "qwen3_moe", max_positions: int = 512,
-                   init_std: float = 0.2, tokenizer_dir=None) -> Path:
-    """`megatron_rl.models.tiny`'s random MoE (4 experts, top-2, head_dim 32, expert width 64) with the vocabulary
-    and special tokens of a real tokenizer (the SmolLM2 one by default), so the CLI's preflight accepts the pair and
-    prompts, EOS and stop strings behave as in the demo. `init_std` is large for the reason `write_tiny_llama`
-    gives, and so that token probabilities depend on the experts' weights (at transformers' 0.02 the 49K-token
-    distribution is near-uniform whatever the experts hold). No pad_token_id in the config: transformers would zero
-    that embedding row (padding_idx), and SmolLM2's pad is <|im_end|>, a token of every chat prompt; a zero input row
-    makes RMSNorm's gradient 1/sqrt(eps) (twice with Qwen3's q/k norms): a first-step gradient norm of ~100."""
-    from transformers import PreTrainedTokenizerFast
-
-    from megatron_rl.models.tiny import write_tiny_hf_model
-
-    tok_dir = Path(tokenizer_dir or default_model_dir())
-    tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    return write_tiny_hf_model(out_dir, kind, seed=seed, tokenizer_from=tok_dir, config_overrides={
-        "vocab_size": len(tok), "max_position_embeddings": max_positions, "initializer_range": init_std,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": None})
-
-
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     if not (default_model_dir() / "tokenizer.json").is_file():
