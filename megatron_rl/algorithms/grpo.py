@@ -25,10 +25,12 @@ from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
+from megatron_rl.algorithms.trainable import rescale_metrics, trainable_part, why_not_skippable
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
 from megatron_rl.algorithms.trackers import start_trackers
 from megatron_rl.algorithms.tracking import Tracker
 from megatron_rl.config import Config, dump_yaml
+from megatron_rl.distributed.parallel_dims import layout_of
 from megatron_rl.platform import device_telemetry
 
 
@@ -165,22 +167,28 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     time_logprobs = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    results = [c.policy.train(mb, loss_fn, T) for mb in _split(batch, cfg.grpo.optimizer_steps_per_rollout)]
+    parts = _split(batch, cfg.grpo.optimizer_steps_per_rollout)
+    if cfg.grpo.skip_zero_advantage and why_not_skippable(cfg) is None:
+        parts = [trainable_part(p, min_seqs=layout_of(cfg).policy.dp) for p in parts]
+    results = [c.policy.train(p, loss_fn, T) for p in parts]
     time_train = time.perf_counter() - t0
-    # the on-policy pass (reused as "old" logprobs) is the first mini-batch's forward, before any update
-    train_lps = batch.old_logprobs if batch.old_logprobs is not None else results[0].logprobs
+    # mismatch: the "old" pass covers the whole batch; else the on-policy pass reused as "old" logprobs is the
+    # (only) mini-batch's forward before its update, over the sequences it trained
+    gen_lps, train_lps = ((batch.gen_logprobs, batch.old_logprobs) if batch.old_logprobs is not None
+                          else (parts[0].gen_logprobs, results[0].logprobs))
     rec["time_wait_rollout_s"] = before_refit() if before_refit is not None else 0.0
     refit_s = c.handover.refit()
     if checkpoint is not None:
         checkpoint()
-    mask = torch.ones(sum(len(x) for x in batch.gen_logprobs))
-    mm = mismatch_metrics(torch.cat(batch.gen_logprobs), torch.cat([t.float() for t in train_lps]), mask)
-    m = _merge_minibatch_metrics([r.metrics for r in results])
+    mask = torch.ones(sum(len(x) for x in gen_lps))
+    mm = mismatch_metrics(torch.cat(gen_lps), torch.cat([t.float() for t in train_lps]), mask)
+    m = _merge_minibatch_metrics([rescale_metrics(r.metrics, p) for r, p in zip(results, parts)])
     rec.update({
         "loss": m.get("loss"), "kl": m.get("kl", 0.0), "entropy": m.get("entropy"), "clip_frac": m.get("clip_frac"),
         "grad_norm": m.get("grad_norm"), "lr": m.get("lr"), "num_optimizer_steps": len(results),
         "token_mult_prob_error": mm["token_mult_prob_error"], "gen_kl_error": mm["gen_kl_error"],
         "response_len_mean": sum(batch.response_lens()) / len(batch),
+        "num_sequences_trained": sum(len(p) for p in parts),
         "num_tokens": sum(len(x) for x in batch.input_ids),
         "time_logprobs_s": time_logprobs, "time_train_s": time_train, "time_refit_s": refit_s,
         "skipped": any(r.skipped for r in results), "no_trainable_groups": False,
@@ -219,22 +227,13 @@ def _split(batch, parts: int):
     """Mini-batches for several optimizer steps per rollout; whole groups stay together."""
     if parts <= 1:
         return [batch]
-    from megatron_rl.policy.interface import RolloutBatch
-
     gids = sorted(set(batch.group_ids))
     out = []
     for k in range(parts):
         keep = set(gids[k::parts])
         idx = [i for i, g in enumerate(batch.group_ids) if g in keep]
-        if not idx:
-            continue
-
-        def pick(v):
-            return None if v is None else [v[i] for i in idx]
-
-        out.append(RolloutBatch(pick(batch.input_ids), pick(batch.prompt_lens), pick(batch.advantages),
-                                pick(batch.old_logprobs), pick(batch.ref_logprobs), pick(batch.gen_logprobs),
-                                pick(batch.group_ids)))
+        if idx:
+            out.append(batch.subset(idx))
     return out
 
 

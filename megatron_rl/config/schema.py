@@ -162,6 +162,9 @@ class GRPOConfig:
     # 0: synchronous (generate, train, refit). k >= 1: the engines generate the rollout of step s + k while step s
     # trains (disaggregated placement only); no trained sample is more than k weight versions old
     max_staleness: int = 0
+    # leave sequences with advantage exactly 0 out of the training passes where that leaves the update unchanged
+    # (no KL term, entropy bonus or MoE aux loss; algorithms/trainable.py): the same gradient, fewer FLOPs
+    skip_zero_advantage: bool = True
     overlong_filter: bool = False  # DAPO: truncated completions (finish reason "length") are left out of the loss
     # NeMo-RL's CI gates on generator/trainer agreement, checked every step: warn (stderr), abort, or off
     mismatch_guard: Literal["warn", "abort", "off"] = "warn"

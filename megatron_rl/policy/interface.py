@@ -21,9 +21,27 @@ class RolloutBatch:
     ref_logprobs: Optional[list[torch.Tensor]] = None
     gen_logprobs: Optional[list[torch.Tensor]] = None  # generator's logprobs of the sampled tokens
     group_ids: Optional[list[int]] = None  # sequences sharing a prompt (shared-prefix packing)
+    # The loss normalisers (response tokens, sequences) when this batch is the part of a step that carries gradient
+    # (`algorithms/trainable.py`); None: this batch's own counts.
+    step_tokens: Optional[int] = None
+    step_seqs: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    def subset(self, idx: list[int]) -> "RolloutBatch":
+        """The sequences at `idx`, in that order, with every per-sequence field (normalisers: their own counts)."""
+        def pick(v):
+            return None if v is None else [v[i] for i in idx]
+
+        return RolloutBatch(pick(self.input_ids), pick(self.prompt_lens), pick(self.advantages),
+                            pick(self.old_logprobs), pick(self.ref_logprobs), pick(self.gen_logprobs),
+                            pick(self.group_ids))
+
+    def loss_normalizers(self) -> tuple[int, int]:
+        """(response tokens, sequences) the loss divides by."""
+        return (self.num_response_tokens() if self.step_tokens is None else self.step_tokens,
+                len(self) if self.step_seqs is None else self.step_seqs)
 
     def response_lens(self) -> list[int]:
         return [len(ids) - p for ids, p in zip(self.input_ids, self.prompt_lens)]

@@ -251,7 +251,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             raise ValueError("train() needs one advantage per sequence")
         self._require_resident("train")
         mbs = self._micro_batches(batch)
-        n_tokens = batch.num_response_tokens()
+        n_tokens, n_seqs = batch.loss_normalizers()
         first_dp = self.dp_rank == 0
         own_lp: dict[int, torch.Tensor] = {}
         adv = torch.tensor(batch.advantages, dtype=torch.float32)
@@ -275,7 +275,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
                     old_logprobs=old.to(dev) if old is not None else flat_lp.detach().float(),
                     ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),
                     gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
-                    num_global_tokens=float(n_tokens), num_global_seqs=float(len(batch)))
+                    num_global_tokens=float(n_tokens), num_global_seqs=float(n_seqs))
                 loss, metrics = loss_fn(inputs)
                 report = first_dp and raw is mbs[0]
                 count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=dev)

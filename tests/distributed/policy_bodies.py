@@ -194,3 +194,33 @@ def bf16_layouts_near_reference(rank: int, world_size: int, model_dir: str):
                      "before": {k: v for d in before if d for k, v in d.items()} if rank == 0 else None,
                      "after": {k: v for d in after if d for k, v in d.items()} if rank == 0 else None}
     return res
+
+
+def zero_advantage_part_same_update(rank: int, world_size: int, model_dir: str):
+    """One step on a batch where half the sequences have advantage 0, fed whole vs only the part with gradient
+    (`algorithms.trainable.trainable_part`, the whole batch's normalisers), at DP=2, for grpo (token mean) and
+    gspo (sequence mean); an all-zero batch keeps one sequence per DP rank."""
+    import json
+
+    from megatron_rl.algorithms.loss_fn import GRPOLossFn
+    from megatron_rl.algorithms.trainable import trainable_part
+    from megatron_rl.config.schema import LossConfig
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    out = {}
+    for variant in ("grpo", "gspo"):
+        loss_fn = GRPOLossFn(LossConfig(variant=variant))
+        for fed in ("whole", "part", "all_zero"):
+            batch = make_batch(vocab, n=8, seed=5)
+            batch.advantages = [a if i % 2 else 0.0 for i, a in enumerate(batch.advantages)]
+            if fed == "all_zero":
+                batch.advantages = [0.0] * len(batch)
+            part = batch if fed == "whole" else trainable_part(batch, min_seqs=world_size)
+            w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir))
+            w.setup()
+            before = w.hf_state_dict() if fed == "all_zero" else None
+            res = _gather_obj(w.train(part, loss_fn, temperature=TEMP))
+            out[(variant, fed)] = {"metrics": [r for r in res if r][0]["metrics"], "after": w.hf_state_dict(),
+                                   "before": before, "num_fed": len(part)}
+    return out

@@ -103,3 +103,22 @@ def test_bf16_training_matches_fp32_reference_within_bf16_tolerance(bf16_results
         got_all.append(d_got)
         ref_all.append(d_ref)
     assert torch.nn.functional.cosine_similarity(torch.cat(got_all), torch.cat(ref_all), dim=0) > 0.995
+
+
+def test_leaving_zero_advantage_sequences_out_gives_the_same_update(model_dir):
+    """grpo.skip_zero_advantage: the trainer sees only sequences with a nonzero advantage but divides by the whole
+    step's counts; the update (every weight, after Adam) and the loss equal feeding the whole batch."""
+    r = run_distributed(policy_bodies.zero_advantage_part_same_update, 2, args=(model_dir,), timeout=900)[0]
+    for variant in ("grpo", "gspo"):
+        whole, part = r[(variant, "whole")], r[(variant, "part")]
+        assert (whole["num_fed"], part["num_fed"]) == (8, 4)
+        assert part["metrics"]["loss"] == pytest.approx(whole["metrics"]["loss"], rel=1e-5, abs=1e-7)
+        assert part["metrics"]["grad_norm"] == pytest.approx(whole["metrics"]["grad_norm"], rel=1e-5)
+        for k in whole["after"]:
+            torch.testing.assert_close(part["after"][k], whole["after"][k], atol=2e-6, rtol=1e-5,
+                                       msg=lambda s: f"{variant} {k}: {s}")
+        # nothing to learn: one sequence per DP rank still goes through, the gradient is 0 and no weight moves
+        zero = r[(variant, "all_zero")]
+        assert zero["num_fed"] == 2 and zero["metrics"]["grad_norm"] == 0.0
+        for k in zero["after"]:
+            assert torch.equal(zero["after"][k], zero["before"][k]), k
