@@ -33,7 +33,7 @@ def export(tmp_path_factory, tiny_model_factory):
     run = tmp_path_factory.mktemp("hub") / "run"
     convert.hf_to_megatron(model, run / "checkpoints" / "step_3", step=3)
     dump_yaml(load_config(REPO / "configs" / "demo_cpu.yaml", [f"policy.model={model}", f"output.dir={run}",
-                                                                       "policy.precision=fp32"]),
+                                                                       "policy.precision=fp32", "grpo.max_steps=40"]),
               run / "config.yaml")
     (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
                                                for r in METRICS))
