@@ -62,8 +62,9 @@ def test_changed_run_keys_names_what_changes_the_run_only():
                "grpo.max_steps=99", "grpo.val_every=0", "logging.plots=false", "output.dir=elsewhere",
                "checkpoint.keep_last=5", "reward.num_workers=4", "policy.threads=1")
     got = resume.changed_run_keys(to_dict(saved), to_dict(now))
-    assert got == [("data.task_params.min_terms", 2, 3), ("generation.temperature", 1.0, 0.7),
-                   ("reward.format_reward", 0.0, 0.5)]
+    assert got == [("data.task_params.min_terms", saved.data.task_params["min_terms"], 3),
+                   ("generation.temperature", saved.generation.temperature, 0.7),
+                   ("reward.format_reward", saved.reward.format_reward, 0.5)]
     assert resume.changed_run_keys(to_dict(saved), to_dict(_cfg())) == []
     # a key only one side has (an older run's config.yaml) counts as changed
     old = to_dict(saved)
