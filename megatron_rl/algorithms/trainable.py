@@ -8,8 +8,8 @@ sequences out of the forward and backward passes gives the same gradient, provid
 whole step's token and sequence counts (`RolloutBatch.step_tokens` / `step_seqs`). The optimizer step itself still
 happens (Adam's moments and weight decay move even on a zero gradient), so at least `min_seqs` sequences are kept.
 
-Late in a run most groups are all right or all wrong (the CPU demo: ~half of them by step 10), and the training
-pass is the larger part of a step there. verl/DAPO's dynamic sampling drops such groups too, but renormalises over
+After the first steps most groups are all right or all wrong (the CPU demo: only 16-32 of its 64 sequences carry
+gradient from step 3 on), and the training pass was the larger part of a step there. verl/DAPO's dynamic sampling drops such groups too, but renormalises over
 what is left (a larger step); this keeps the update exactly what the full batch gives.
 
 Per-token metrics the worker reports (entropy, clip_frac, ratio_mean, ...) are then shares of the whole step's
