@@ -34,7 +34,7 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, identity_collectives, packing
-from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff
+from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff, use_fused_torch_adam
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
@@ -158,6 +158,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
                             fp16=self.dtype == torch.float16, params_dtype=self.dtype,
                             use_distributed_optimizer=o.distributed),
             [self.model])
+        use_fused_torch_adam(self.optimizer)
         decay_steps = max(1, s.decay_steps or self.max_steps)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
@@ -364,6 +365,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         with torch.no_grad():  # the loader copies into the (leaf, requires-grad) fp32 main params in place
             self.optimizer.load_state_dict(res["extra_sharded_state"]["optimizer"])
         self._restore_adam_steps(_saved_adam_step(res["extra_sharded_state"]["optimizer"]))
+        use_fused_torch_adam(self.optimizer)  # the loaded param groups carry the saving run's implementation flags
         extra = res["extra_state"] or {}
         if "scheduler" in extra:
             self.scheduler.load_state_dict(extra["scheduler"])
