@@ -1,6 +1,6 @@
 """Each GRPO phase's achieved FLOP/s as a fraction of this machine's matmul rate, fp32 and bf16 side by side.
 
-    .venv/bin/python bench/phase_limits.py [--threads 2] [--seqs 16 --len 128 --prompt 100]
+    .venv/bin/python bench/phase_limits.py [--threads 2] [--seqs 16 --len 128 --prompt 100] [--gen-prompt-len 137]
 
 Measured in one run, each part in its own fresh process (one at a time: they never share cores):
 - the limit: the best torch matmul rate over GEMM shapes this model runs ([tokens, 576] x [576, 1536] and the
@@ -9,8 +9,15 @@ Measured in one run, each part in its own fresh process (one at a time: they nev
   params * tokens fed (the lm_head on every position: the worker's response-window narrowing is switched off so the
   count is exact);
 - logprob: the worker's forward-only pass, 2 * matmul params * tokens;
-- decode: the vLLM engine sampling --gen-prompts x --gen-n completions of --gen-tokens tokens, FLOPs = 2 * matmul
-  params * (generated tokens + prompt tokens prefilled once per prompt: prefix caching shares them).
+- generate: the vLLM engine sampling --gen-prompts fresh random prompts of --gen-prompt-len tokens (default: the
+  demo's mean, 137) x --gen-n completions of --gen-tokens tokens, FLOPs = 2 * matmul params * (generated tokens +
+  prompt tokens once per prompt), the count of the run's `generate_flops_per_s`. The engine computes more than that:
+  it shares a prompt between its samples only in whole KV blocks (128 tokens on CPU), so each sample prefills the
+  prompt's last partial block again (137-token prompts: 1,600 tokens prefilled for 1,096 counted). A prompt shorter
+  than one block is prefilled by every sample: this bench's earlier 100-token prompts measured that case, 8x the
+  counted prefill (decode then read 21 % of the bf16 rate);
+- decode: the decode steps alone, the generate call's time less that of a call that stops after the first token
+  (prefill + one sampling step), FLOPs = 2 * matmul params * tokens generated after the first.
 FLOPs are counted as in the run's own `*_flops_per_s` metrics (megatron_rl/algorithms/throughput.py): matmul
 params are every linear layer plus the lm_head (a [vocab, hidden] GEMM per token, tied or not); attention scores are
 left out (under 2 % at these lengths).
@@ -61,7 +68,10 @@ def policy_phases(rank, world, model_dir, dtype_name, seqs, length, prompt, thre
     return statistics.median(lp_t[1:]), statistics.median(tr_t[1:])
 
 
-def decode_phase(rank, world, model_dir, dtype_name, prompts, n, tokens, threads):
+def decode_phase(rank, world, model_dir, dtype_name, prompts, n, tokens, prompt_len, threads):
+    """(seconds of a whole generation call, of a prefill-only call, generated tokens, sequences): median of 3 after a
+    warm-up call. Every call gets fresh prompts, as every GRPO step does, so no call reuses an earlier call's
+    prefix cache."""
     import random
 
     from megatron_rl.config.schema import GenerationConfig
@@ -69,19 +79,22 @@ def decode_phase(rank, world, model_dir, dtype_name, prompts, n, tokens, threads
 
     torch.set_num_threads(threads)
     eng = VLLMGenerator(GenerationConfig(precision=dtype_name, threads=threads, kv_cache_memory_mb=512), model_dir,
-                        max_model_len=256)
+                        max_model_len=prompt_len + tokens + 8)
     rng = random.Random(0)
-    ps = [[rng.randrange(100, 20000) for _ in range(100)] for _ in range(prompts)]
-    times, counts = [], []
-    for i in range(3):
+
+    def call(max_tokens, seed):
+        ps = [[rng.randrange(100, 20000) for _ in range(prompt_len)] for _ in range(prompts)]
         t0 = time.perf_counter()
-        # ignore_eos-like: a random model rarely stops early; count what was generated
-        r = eng.generate(ps, n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=tokens, seed=i)
-        times.append(time.perf_counter() - t0)
-        counts.append(sum(len(t) for t in r.token_ids))
+        # a random-token prompt rarely draws EOS early; what was generated is counted
+        r = eng.generate(ps, n=n, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, seed=seed)
+        return time.perf_counter() - t0, sum(len(t) for t in r.token_ids)
+
+    call(tokens, 99)
+    whole = [call(tokens, i) for i in range(3)]
+    first = [call(1, 10 + i)[0] for i in range(3)]
     eng.shutdown()
-    k = times.index(statistics.median_low(times[1:]), 1)
-    return times[k], counts[k], prompts * 100
+    t, gen = sorted(whole)[1]
+    return t, statistics.median(first), gen, prompts * n
 
 
 def main(argv=None) -> int:
@@ -99,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-n", type=int, default=8)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    # the demo's prompts: 1,094 tokens over 8 prompts (configs/demo_cpu.yaml's few-shot chat prompt)
+    ap.add_argument("--gen-prompt-len", type=int, default=137)
     ap.add_argument("--dtypes", default="fp32,bf16")
     a = ap.parse_args(argv)
     cfg = json.loads((Path(a.model) / "config.json").read_text())
@@ -110,31 +125,34 @@ def main(argv=None) -> int:
         peaks = run(matmul_peak, dt, cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], tokens,
                     a.threads)
         lp_s, tr_s = run(policy_phases, a.model, dt, a.seqs, a.len, a.prompt, a.threads)
-        dec_s, gen_tokens, prompt_tokens = run(decode_phase, a.model, dt, a.gen_prompts, a.gen_n, a.gen_tokens,
-                                               a.threads)
+        gen_s, prefill_s, gen_tokens, seqs = run(decode_phase, a.model, dt, a.gen_prompts, a.gen_n, a.gen_tokens,
+                                                 a.gen_prompt_len, a.threads)
+        prompt_tokens = a.gen_prompts * a.gen_prompt_len
         rows[dt] = {
             "peak": max(peaks.values()), "peaks": peaks,
             "train": 6 * n_mm * tokens / tr_s, "train_s": tr_s,
             "logprob": 2 * n_mm * tokens / lp_s, "logprob_s": lp_s,
-            "decode": 2 * n_mm * (gen_tokens + prompt_tokens) / dec_s, "decode_s": dec_s,
-            "decode_tok_s": gen_tokens / dec_s,
+            "generate": 2 * n_mm * (gen_tokens + prompt_tokens) / gen_s, "generate_s": gen_s,
+            # the decode steps alone: the whole call less a call that only prefills and samples the first token
+            "decode": 2 * n_mm * (gen_tokens - seqs) / (gen_s - prefill_s), "decode_s": gen_s - prefill_s,
+            "decode_tok_s": (gen_tokens - seqs) / (gen_s - prefill_s),
         }
     print(f"model {Path(a.model).name}: {n_mm / 1e6:.1f}M matmul params; {a.threads} threads; "
           f"CPU bf16 instructions: {cpu_has_bf16()}")
-    print(f"training/logprob batch {a.seqs} x {a.len} tokens; decode {a.gen_prompts} prompts x {a.gen_n} samples x "
-          f"{a.gen_tokens} tokens")
+    print(f"training/logprob batch {a.seqs} x {a.len} tokens; generation {a.gen_prompts} prompts of "
+          f"{a.gen_prompt_len} tokens x {a.gen_n} samples x {a.gen_tokens} tokens")
     for dt, r in rows.items():
         shapes = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in r["peaks"].items())
         print(f"{dt} matmul GFLOP/s: {shapes}")
-    print(f"{'':6}{'limit GFLOP/s':>14}{'train':>16}{'logprob':>16}{'decode':>16}{'decode tok/s':>14}")
+    cols = ("train", "logprob", "generate", "decode")
+    print(f"{'':10}{'limit GFLOP/s':>14}" + "".join(f"{c:>16}" for c in cols) + f"{'decode tok/s':>14}")
     for dt, r in rows.items():
         cell = lambda k: f"{r[k] / 1e9:6.0f} ({r[k] / r['peak']:4.0%})"  # noqa: E731
-        print(f"{dt:6}{r['peak'] / 1e9:14.0f}{cell('train'):>16}{cell('logprob'):>16}{cell('decode'):>16}"
+        print(f"{dt:10}{r['peak'] / 1e9:14.0f}" + "".join(f"{cell(c):>16}" for c in cols) +
               f"{r['decode_tok_s']:14.0f}")
     if len(rows) == 2:
         f, b = rows["fp32"], rows["bf16"]
-        print(f"{'bf16/fp32':6}{b['peak'] / f['peak']:13.2f}x{b['train'] / f['train']:15.2f}x"
-              f"{b['logprob'] / f['logprob']:15.2f}x{b['decode'] / f['decode']:15.2f}x"
+        print(f"{'bf16/fp32':10}{b['peak'] / f['peak']:13.2f}x" + "".join(f"{b[c] / f[c]:15.2f}x" for c in cols) +
               f"{b['decode_tok_s'] / f['decode_tok_s']:13.2f}x")
     return 0
 
