@@ -5,7 +5,8 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare async ...
     .venv/bin/python bench/demo_ab.py --compare packing ...
 
-Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with validation and checkpoints off.
+Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
+override turns it on (`grpo.val_every=10`: then each run's learning curve is printed by step and by minute).
 - precision: fp32 vs bf16 everywhere (trainer: megatron mixed precision with fp32 main weights and Adam; engine:
   vLLM bf16; refit: bf16 tensors).
 - async: synchronous colocated vs asynchronous disaggregated (grpo.max_staleness=1). Sync: one policy rank and one
@@ -65,8 +66,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     keys = ("time_step_s", "time_generate_s", "time_train_s", "time_logprobs_s", "time_refit_s",
             "time_handover_s", "time_wait_rollout_s", "generate_flops_per_s", "train_flops_per_s", "tokens_per_s",
-            "reward_mean", "token_mult_prob_error", "gen_kl_error")
-    rows = {}
+            "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error")
+    rows, curves = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(COMPARISONS[args.compare].items()):
             recs, wall = run_mode(extra + list(args.overrides), args.steps, Path(tmp) / f"m{i}")
@@ -74,10 +75,16 @@ def main(argv=None) -> int:
             rows[name] = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in keys}
             rows[name]["wall_s"] = wall
             rows[name]["staleness"] = max(r.get("staleness_max", 0) for r in recs if "time_step_s" in r)
+            curves[name] = [(r["step"], r["val_accuracy"], r.get("time_since_start_s", 0.0) / 60)
+                            for r in recs if "val_accuracy" in r]
     print(f"{'median over steps ' + str(args.warmup + 1) + '..' + str(args.steps):<40}" +
           "".join(f"{n:>38}" for n in rows))
     for k in (*keys, "staleness", "wall_s"):
         print(f"{k:<40}" + "".join(f"{rows[n][k]:>38.6g}" for n in rows))
+    if any(curves.values()):  # grpo.val_every=N among the overrides: the learning curves, by step and by minute
+        print("\nheld-out greedy accuracy (step: accuracy @ minutes since start)")
+        for n, c in curves.items():
+            print(f"{n:<40}" + "  ".join(f"{st}: {acc:.1%} @ {m:.1f}" for st, acc, m in c))
     (a_name, a), (b_name, b) = rows.items()
     print(f"{b_name} vs {a_name}: step time {a['time_step_s'] / b['time_step_s']:.2f}x faster, "
           f"tokens/s {b['tokens_per_s'] / a['tokens_per_s']:.2f}x, wall {a['wall_s'] / b['wall_s']:.2f}x")
