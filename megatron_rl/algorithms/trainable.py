@@ -9,8 +9,9 @@ whole step's token and sequence counts (`RolloutBatch.step_tokens` / `step_seqs`
 happens (Adam's moments and weight decay move even on a zero gradient), so at least `min_seqs` sequences are kept.
 
 After the first steps most groups are all right or all wrong (the CPU demo: only 16-32 of its 64 sequences carry
-gradient from step 3 on), and the training pass was the larger part of a step there. verl/DAPO's dynamic sampling drops such groups too, but renormalises over
-what is left (a larger step); this keeps the update exactly what the full batch gives.
+gradient from step 3 on), and the training pass was the larger part of a step there. verl/DAPO's dynamic sampling
+drops such groups too, but renormalises over what is left (a larger step); this keeps the update exactly what the
+full batch gives.
 
 Per-token metrics the worker reports (entropy, clip_frac, ratio_mean, ...) are then shares of the whole step's
 count; `rescale_metrics` turns them back into means over the trained tokens. `loss` and `pg_loss` stay as the step's

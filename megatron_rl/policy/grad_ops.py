@@ -6,6 +6,13 @@ from __future__ import annotations
 import torch
 
 
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer: one, or one per member of a chain (an MoE model's dense and
+    expert optimizers); members without one (a rank with no parameters of that kind) are left out."""
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in members if getattr(o, "optimizer", None) is not None]
+
+
 def use_fused_torch_adam(optimizer) -> int:
     """Switch every torch Adam/AdamW inside a megatron optimizer to torch's fused kernel; returns how many.
 
@@ -15,8 +22,7 @@ def use_fused_torch_adam(optimizer) -> int:
     fp32 state, 2026-12-01). Same state layout (exp_avg, exp_avg_sq, a float32 'step' on the parameter's device),
     so checkpoints stay interchangeable. apex/TE's FusedAdam is left alone."""
     n = 0
-    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(o, "optimizer", None)
+    for inner in torch_optimizers(optimizer):
         if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or inner.defaults.get("differentiable"):
             continue
         params = [p for g in inner.param_groups for p in g["params"]]

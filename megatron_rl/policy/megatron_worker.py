@@ -34,7 +34,7 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, identity_collectives, packing
-from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff, use_fused_torch_adam
+from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers, use_fused_torch_adam
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
@@ -386,8 +386,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
 
     def _has_optimizer_state(self) -> bool:
-        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return any(len(o.optimizer.state) for o in opts if getattr(o, "optimizer", None) is not None)
+        return any(len(o.state) for o in torch_optimizers(self.optimizer))
 
     def _materialize_optimizer_state(self) -> None:
         """A fresh torch Adam has no state (not even 'step') until its first step, and megatron's optimizer state
@@ -414,10 +413,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         first update after a resume used the wrong bias correction (found by the async resume test: weights after
         the next step differed by ~1e-4 from the uninterrupted run's). The checkpoint's own step is in its param
         groups (`saved`)."""
-        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        for o in opts:
-            inner = getattr(o, "optimizer", None)
-            for st in (inner.state.values() if inner is not None else []):
+        for inner in torch_optimizers(self.optimizer):
+            for st in inner.state.values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = torch.full_like(st["step"], saved) if saved is not None else st["step"].clone()
 
@@ -428,8 +425,7 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         buffers = self.model.buffers + self.model.expert_parallel_buffers
         keep = [b.param_data for b in buffers if b.param_data is not None]
         drop = [b.grad_data for b in buffers if b.grad_data is not None]
-        for inner in (o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-                      if getattr(o, "optimizer", None) is not None):
+        for inner in torch_optimizers(self.optimizer):
             keep += [p for g in inner.param_groups for p in g["params"]]
             keep += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
         return keep, drop

@@ -112,8 +112,9 @@ def layouts_match_reference(rank: int, world_size: int, model_dir: str):
         assert (w._logit_window is not None) == ps.is_pipeline_last_stage(), name
         assert w._logit_window is None or w._logit_window.start > 0, name
         # the step below runs torch's fused AdamW kernel; the weights after it are compared with the default AdamW's
-        inner = [o.optimizer for o in getattr(w.optimizer, "chained_optimizers", [w.optimizer])]
-        assert all(g["fused"] for o in inner for g in o.param_groups), name
+        from megatron_rl.policy.grad_ops import torch_optimizers
+
+        assert all(g["fused"] for o in torch_optimizers(w.optimizer) for g in o.param_groups), name
         out = _gather_obj(w.train(batch, pg_loss, temperature=TEMP))
         after = _gather_obj(w.hf_state_dict())
         outs = [o for o in out if o]
