@@ -106,7 +106,7 @@ def build(cfg: Config, out_dir: Path) -> Components:
     # measured ~8x slower)
     sharing = world + len(gen_bundles) if cfg.grpo.max_staleness > 0 else world
     threads = None if plat.is_gpu else (cfg.policy.threads or max(1, cores // sharing))
-    share = 0.5 if c.colocated else 1.0
+    share = layout.share
     group = WorkerGroup(MegatronPolicyWorker, placement, name="policy", world_size=world, share=share,
                         log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
                         init_kwargs=dict(policy_cfg=cfg.policy, max_steps=cfg.grpo.max_steps))
@@ -123,9 +123,9 @@ def build(cfg: Config, out_dir: Path) -> Components:
     for i, bundles in enumerate(gen_bundles):
         name = f"generator-{i}"
         log = str(logs / f"{name}.log")
-        actor = ray.remote(GeneratorActor).options(
-            **placement.actor_resources(share), scheduling_strategy=placement.strategy(bundles[0]), max_restarts=0,
-        ).remote(cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, gen_threads)
+        options, env = placement.engine_placement(bundles, share)
+        actor = ray.remote(GeneratorActor).options(**options, max_restarts=0).remote(
+            cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, gen_threads, env)
         engines.append(RemoteGenerator(actor, name, log))
     generator = GeneratorPool(engines)
     generator.pids()  # wait until every engine is up (and fail here, naming the one that cannot start)

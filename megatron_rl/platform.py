@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+SLOT_ENV = "MEGATRON_RL_DEVICE_SLOT"  # the placement bundle Ray put this process on (set by distributed/cluster.py)
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -61,6 +63,19 @@ class Platform:
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cuda", local_rank) if self.is_gpu else torch.device("cpu")
+
+    def device_identity(self, device: torch.device | None = None) -> str:
+        """The physical device this process computes on, comparable between processes: a GPU's UUID, or on CPU the
+        placement slot (bundle) on this host. The colocated refit hands each engine worker the update of a policy
+        rank with the same identity: CUDA IPC can only open buffers of the same GPU, and the CPU refuses another
+        slot's update too (its shared memory could be read from anywhere), so a routing mistake fails on CPU as it
+        would on a GPU. Processes placed outside Ray (benches, tests in one process) are all slot "local"."""
+        if self.is_gpu:
+            index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+            return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        import socket
+
+        return f"cpu:{socket.gethostname()}:slot-{os.environ.get(SLOT_ENV, 'local')}"
 
     # ---- memory moves of the colocated handover (policy/offload.py); the same steps run on both platforms
     def host_buffer(self, nbytes: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ class Handover:
         # weight version the engine holds: 0 = the weights it started from; +1 per refit of this process. A rollout
         # is generated with `version` or refused (StaleWeightsError), so it is never off-policy by accident.
         self.version = 0
+        self.senders: list[int] | None = None  # colocated: the policy ranks that export a refit (`connect`)
 
     def _timed(self, fn) -> None:
         t0 = time.perf_counter()
@@ -51,9 +52,14 @@ class Handover:
             self.policy.offload()
 
     def connect(self, host: str | None, workers_per_engine: int) -> None:
-        """Disaggregated: open the refit groups (one per pipeline stage: its exporting rank and every engine
-        worker). Both sides block until all have joined, so they join at the same time."""
+        """Colocated: route the refit by device (`weights/routing.py`: the policy rank on each engine worker's
+        device exports for it). Disaggregated: open the refit groups (one per pipeline stage: its exporting rank
+        and every engine worker). Both sides block until all have joined, so they join at the same time."""
         if self.colocated:
+            from megatron_rl.weights.routing import plan_senders
+
+            self.senders = plan_senders(self.policy.device_ids(), self.generator.device_ids(),
+                                        [e.name for e in self.generator.engines])
             return
         endpoints = self.policy.refit_endpoints(host)
         world = 1 + workers_per_engine * len(self.generator.engines)
@@ -93,7 +99,8 @@ class Handover:
         t0 = time.perf_counter()
         if self.colocated:
             self.generator.wake_up(["weights"])
-        handle = self.policy.send_weights(self.version + 1, self.transport, self.bucket_bytes)
+        handle = self.policy.send_weights(self.version + 1, self.transport, self.bucket_bytes,
+                                          self.senders if self.colocated else None)
         try:
             if self.colocated:
                 self.generator.receive_weights(handle.to_dict())

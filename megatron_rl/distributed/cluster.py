@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.config.schema import ClusterConfig
-from megatron_rl.platform import get_platform
+from megatron_rl.platform import SLOT_ENV, get_platform
 
 
 def _local_auth() -> None:
@@ -98,8 +98,37 @@ class Placement:
                                                 placement_group_capture_child_tasks=True)
 
     def actor_resources(self, share: float) -> dict:
-        """Ray options for an actor taking `share` of one bundle's device (1.0 alone, 0.5 when colocated)."""
-        return {"num_gpus": share} if self.device_key == "GPU" else {"num_cpus": share}
+        """Ray options for an actor taking `share` of one bundle's device (1.0 alone, 0.5 when colocated).
+
+        GPU bundles hold only a GPU, so a GPU actor must say `num_cpus=0`: Ray adds `CPU: 1` to any actor that names
+        a resource but no CPU count (ray/actor.py, DEFAULT_ACTOR_CREATION_CPU_SPECIFIED), and that request fits no
+        bundle ("cannot fit into any bundles"). Host threads of GPU workers are not what is being reserved."""
+        if self.device_key == "GPU":
+            return {"num_gpus": share, "num_cpus": 0}
+        return {"num_cpus": share}
+
+    def actor_options(self, bundle_index: int, share: float) -> dict:
+        """Resources and scheduling strategy of an actor on `bundle_index` (policy ranks, TP=1 engines)."""
+        return dict(self.actor_resources(share), scheduling_strategy=self.strategy(bundle_index))
+
+    def engine_placement(self, bundles: list[int], share: float) -> tuple[dict, dict]:
+        """(Ray options, environment) of a rollout engine over `bundles` (generation.tp of them).
+
+        One device: the engine's actor takes its share of that bundle and vLLM runs its one worker in that process.
+        Several (generation.tp > 1, GPU): the actor holds no GPU of its own, and vLLM's Ray executor, which it picks
+        inside a placement group, starts one worker actor per TP rank (vllm/v1/executor/ray_executor.py,
+        `_init_workers_ray`: `num_cpus=0, num_gpus=VLLM_RAY_PER_WORKER_GPUS` on bundle `VLLM_RAY_BUNDLE_INDICES[r]`
+        of the current placement group). Without those two variables every engine would take the first tp GPU
+        bundles of the whole group and no share would be left for the trainer; an actor holding one GPU would make
+        vLLM refuse ("World size (2) is larger than the number of available GPUs (1)")."""
+        env = {SLOT_ENV: str(bundles[0])}
+        if len(bundles) == 1:
+            return self.actor_options(bundles[0], share), env
+        if self.device_key != "GPU":
+            raise ValueError(f"generation.tp={len(bundles)}: engines span several devices only on GPUs (the CPU "
+                             "engine runs in-process with tp=1)")
+        env.update(VLLM_RAY_BUNDLE_INDICES=",".join(str(b) for b in bundles), VLLM_RAY_PER_WORKER_GPUS=str(share))
+        return dict(num_gpus=0, num_cpus=0, scheduling_strategy=self.strategy(bundles[0])), env
 
 
 def reserve(num_bundles: int, *, timeout_s: float = 120.0, name: str = "megatron-rl") -> Placement:

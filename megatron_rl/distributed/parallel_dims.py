@@ -109,6 +109,12 @@ class DeviceLayout:
                                   dp=self.gen_dp)
 
     @property
+    def share(self) -> float:
+        """The fraction of its bundle's device each actor asks Ray for: colocated, a policy rank and an engine
+        worker take half each (they take turns on the device); disaggregated, each has its device alone."""
+        return 0.5 if self.colocated else 1.0
+
+    @property
     def gen_devices(self) -> int:
         return self.gen_dp * self.gen_tp
 

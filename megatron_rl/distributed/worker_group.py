@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.distributed.cluster import Placement
+from megatron_rl.distributed.cluster import SLOT_ENV, Placement
 from megatron_rl.distributed.logs import redirect_output, tail
 from megatron_rl.lifecycle import LifecycleError
 
@@ -93,9 +93,11 @@ class WorkerGroup:
         for rank in range(world_size):
             actor_name = f"{name}-{rank}"
             log_path = str(self.log_dir / f"{actor_name}.log") if self.log_dir else None
-            opts = dict(placement.actor_resources(share), scheduling_strategy=placement.strategy(indices[rank]),
-                        max_concurrency=max_concurrency, max_restarts=0)
-            actor = remote_cls.options(**opts).remote(rank, world_size, log_path, threads, env, *init_args,
+            opts = dict(placement.actor_options(indices[rank], share), max_concurrency=max_concurrency,
+                        max_restarts=0)
+            # the bundle is the rank's device identity on CPU (platform.device_identity); GPUs have their UUID
+            rank_env = {**(env or {}), SLOT_ENV: indices[rank]}
+            actor = remote_cls.options(**opts).remote(rank, world_size, log_path, threads, rank_env, *init_args,
                                                        **(init_kwargs or {}))
             self.actors.append(actor)
             self.actor_names.append(actor_name)

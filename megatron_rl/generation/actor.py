@@ -17,8 +17,11 @@ from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
 
 class GeneratorActor:
     def __init__(self, cfg: GenerationConfig, model_path: str, max_model_len: int | None, seed: int,
-                 log_path: str | None = None, threads: int | None = None):
+                 log_path: str | None = None, threads: int | None = None, env: dict | None = None):
         redirect_output(log_path)
+        # the placement's variables (device slot; for TP engines, where vLLM's Ray executor puts its workers),
+        # read by vLLM when it builds the engine
+        os.environ.update({k: str(v) for k, v in (env or {}).items()})
         from megatron_rl.generation.vllm_generator import VLLMGenerator
 
         self.threads = threads
@@ -47,6 +50,9 @@ class GeneratorActor:
 
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    def device_ids(self) -> list[str]:
+        return self.engine.device_ids()
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -108,6 +114,10 @@ class RemoteGenerator:
 
     def pid(self) -> int:
         return self._call("pid")
+
+    def device_ids(self) -> list[str]:
+        """The device identity of each of the engine's workers (platform.device_identity)."""
+        return self._call("device_ids")
 
     def sleep(self) -> None:
         self._call("sleep")

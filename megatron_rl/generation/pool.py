@@ -10,6 +10,7 @@ it, like a dead policy rank.
 from __future__ import annotations
 
 from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
+from megatron_rl.weights.routing import RoutedUpdate, is_routed
 
 
 def balance(costs: list[float], parts: int) -> list[list[int]]:
@@ -71,8 +72,16 @@ class GeneratorPool:
 
     # ---------------------------------------------------------------------------------- refit and lifecycle
     def receive_weights(self, handle, expected_names=None) -> dict:
-        """Every engine loads the same update (the transport's buffers are read, not consumed)."""
-        stats = self._all("receive_weights", handle, expected_names)
+        """Every engine loads the update: a routed one (colocated, in-band) as the handles of its own devices, checked
+        for every engine before any loads; otherwise the same handle (the transport's buffers are read, not
+        consumed)."""
+        if is_routed(handle):
+            routed = RoutedUpdate.from_dict(handle)
+            parts = [routed.only(devs, e.name).to_dict() for e, devs in zip(self.engines, self.device_ids())]
+            stats = self._fan([(e, "receive_weights", (part, expected_names), {})
+                               for e, part in zip(self.engines, parts)])
+        else:
+            stats = self._all("receive_weights", handle, expected_names)
         return {k: max(s[k] for s in stats) for k in stats[0] if isinstance(stats[0][k], (int, float))}
 
     @property
@@ -101,6 +110,12 @@ class GeneratorPool:
 
     def pids(self) -> list[int]:
         return self._all("pid")
+
+    def device_ids(self) -> list[list[str]]:
+        """Per engine, the device identity of each of its workers (fixed for the engines' life: asked once)."""
+        if getattr(self, "_device_ids", None) is None:
+            self._device_ids = self._all("device_ids")
+        return self._device_ids
 
     def shutdown(self) -> None:
         for e in self.engines:

@@ -29,6 +29,7 @@ from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationR
 from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
 from megatron_rl.platform import get_platform
 from megatron_rl.weights.manifest import RefitError, RefitHandle, validate_manifest
+from megatron_rl.weights.routing import RoutedUpdate, is_routed
 from megatron_rl.weights.collective import TRANSPORT as COLLECTIVE
 from megatron_rl.weights.transport import make_sender
 
@@ -54,6 +55,27 @@ def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]] | No
             for k in sf.keys():
                 shapes[k] = tuple(sf.get_slice(k).get_shape())
     return shapes
+
+
+def executor_backend(tp: int, *, in_ray_actor: bool) -> str | None:
+    """vLLM's executor for a GPU engine of `tp` workers. Inside a Ray actor (a training run) a TP engine must use
+    vLLM's Ray executor: it starts one worker actor per TP rank on the bundles that `cluster.Placement.
+    engine_placement` named (VLLM_RAY_BUNDLE_INDICES), while this actor itself holds no GPU. Left to itself vLLM
+    would pick its multiprocessing executor from the GPUs this process sees, and refuse when they are fewer than
+    tp. Outside Ray (evaluation, benches on one machine) multiprocessing on the visible GPUs is right; tp=1 runs
+    in the engine's own process either way (None: vLLM's default)."""
+    if tp <= 1:
+        return None
+    return "ray" if in_ray_actor else "mp"
+
+
+def _in_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except ImportError:
+        return False
 
 
 @contextlib.contextmanager
@@ -105,6 +127,9 @@ class VLLMGenerator(Generator):
             kwargs["max_num_batched_tokens"] = max(4096, kwargs["max_model_len"] or 0)
         else:
             kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
+            backend = executor_backend(config.tp, in_ray_actor=_in_ray_actor())
+            if backend:
+                kwargs["distributed_executor_backend"] = backend
 
         threads_before = torch.get_num_threads()
         from vllm import LLM
@@ -121,8 +146,8 @@ class VLLMGenerator(Generator):
                 _SET_NUM_THREADS(threads_before)
         self.startup_s = time.perf_counter() - t0
 
-        setup = self._llm.collective_rpc("mrl_setup")
-        self._untruncated_logprobs = all(s["untruncated_logprobs"] for s in setup)
+        self._setup = self._llm.collective_rpc("mrl_setup")
+        self._untruncated_logprobs = all(s["untruncated_logprobs"] for s in self._setup)
         self._ckpt_shapes = checkpoint_tensor_shapes(self.model_path)
         hf_config = self._llm.llm_engine.model_config.hf_text_config
         # a tied model's checkpoint has no lm_head.weight; an export may still carry it (vLLM skips it on load)
@@ -188,9 +213,25 @@ class VLLMGenerator(Generator):
             self._sender.release()
         return {**stats, "send_s": send_s, "refit_s": time.perf_counter() - t0}
 
+    def device_ids(self) -> list[str]:
+        """The device identity of each of this engine's workers, in worker rank order (platform.device_identity)."""
+        return [s["device_id"] for s in self._setup]
+
     def receive_weights(self, handle, expected_names: set[str] | None = None) -> dict:
-        handle = RefitHandle.from_dict(handle)
+        """Load an update: one handle for every worker, or a `RoutedUpdate` with one handle per worker device (each
+        worker opens its own; routing.py)."""
         t0 = time.perf_counter()
+        if is_routed(handle):
+            routed = RoutedUpdate.from_dict(handle)
+            routed = routed.only(self.device_ids(), "this engine")
+            for h in routed.handles():  # each device's handle must be the whole model
+                self._check_manifest(h, expected_names)
+            return self._load(routed.handles()[0], routed.to_dict(), t0)
+        handle = RefitHandle.from_dict(handle)
+        self._check_manifest(handle, expected_names)
+        return self._load(handle, handle.to_dict(), t0)
+
+    def _check_manifest(self, handle: RefitHandle, expected_names: set[str] | None) -> None:
         self._check_new_version(handle.version)
         if "weights" in self._asleep:
             raise LifecycleError(f"generator is {self.state}: its weights are released, a refit cannot load into "
@@ -205,10 +246,13 @@ class VLLMGenerator(Generator):
             if handle.transport == COLLECTIVE:  # the exporters are broadcasting: take the bytes, then refuse
                 self._llm.collective_rpc("mrl_drain_refit", args=(handle.to_dict(),))
             raise
+
+    def _load(self, handle: RefitHandle, update: dict, t0: float) -> dict:
+        """Every worker loads `update` (a handle, or a routed update it takes its device's handle from)."""
         try:
             # CPU: on the process's own thread count (not generation.threads): a refit is large copies and GEMM
             # re-packs, which scale with threads, unlike decoding; in the colocated loop the trainer waits meanwhile
-            per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(handle.to_dict(),))
+            per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(update,))
         except Exception as e:
             self._version = INVALID_VERSION
             raise RefitError(f"refit v{handle.version} failed while loading; the engine's weights are "

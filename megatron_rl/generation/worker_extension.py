@@ -14,6 +14,7 @@ import torch
 
 from megatron_rl.platform import get_platform
 from megatron_rl.weights.manifest import RefitError, RefitHandle
+from megatron_rl.weights.routing import RoutedUpdate, is_routed
 from megatron_rl.weights.transport import open_buckets, verify_after_load
 
 
@@ -53,7 +54,11 @@ class RefitWorkerExtension:
         return {
             "untruncated_logprobs": sampler is not None and _install_untruncated_logprobs(sampler),
             "device": str(getattr(self, "device", "cpu")),
+            "device_id": self._mrl_device_id(),
         }
+
+    def _mrl_device_id(self) -> str:
+        return get_platform().device_identity(torch.device(getattr(self, "device", "cpu")))
 
     def mrl_join_refit_groups(self, endpoints: list[dict], rank_offset: int, world_size: int) -> None:
         """Disaggregated refit: join every pipeline stage's group as rank `rank_offset + worker rank` (the stage's
@@ -79,9 +84,11 @@ class RefitWorkerExtension:
         in-process and across vLLM's worker processes (where exceptions arrive re-wrapped). The driver has already
         checked the names against the model. A failure after loading began is raised: the weights are then undefined.
         """
-        handle = RefitHandle.from_dict(handle)
         t0 = time.perf_counter()
         try:
+            if is_routed(handle):  # one handle per device of the engine: this worker's own (routing.py)
+                handle = RoutedUpdate.from_dict(handle).for_device(self._mrl_device_id(), f"engine worker {self.rank}")
+            handle = RefitHandle.from_dict(handle)
             buckets = open_buckets(handle, torch.device(self.device), getattr(self, "_mrl_receiver", None))
         except RefitError as e:
             return {"refused": str(e)}

@@ -12,6 +12,7 @@ import torch
 from megatron_rl.distributed.worker_group import WorkerGroup
 from megatron_rl.policy.interface import LossFn, RolloutBatch, TrainResult
 from megatron_rl.weights.manifest import RefitHandle
+from megatron_rl.weights.routing import RoutedUpdate
 
 
 def _merge(per_rank: list[dict | None], n: int, what: str) -> list:
@@ -47,11 +48,26 @@ class PolicyGroup:
         lps = _merge([o["logprobs"] for o in outs], len(batch), "training logprobs")
         return TrainResult(metrics=outs[0]["metrics"], logprobs=lps, skipped=outs[0]["skipped"])
 
-    def send_weights(self, version: int, transport: str, bucket_bytes: int) -> RefitHandle:
-        """Each pipeline stage exports its tensors; the handles are merged into one update for the generator."""
-        handles = [RefitHandle.from_dict(h) for h in self.group.call("send_weights", version, transport, bucket_bytes)
-                   if h]
-        return RefitHandle(handles[0].transport, version, [b for h in handles for b in h.buckets])
+    def send_weights(self, version: int, transport: str, bucket_bytes: int,
+                     senders: list[int] | None = None) -> RefitHandle | RoutedUpdate:
+        """In-band with `senders` (colocated, `routing.plan_senders`): one whole-model handle per sender's device.
+        Otherwise each pipeline stage exports its tensors, merged here into one update for every engine."""
+        results = self.group.call("send_weights", version, transport, bucket_bytes, senders)
+        if senders is not None:
+            devices = self.device_ids()
+            return RoutedUpdate(version, {devices[r]: RefitHandle.from_dict(results[r]) for r in senders})
+        handles = [RefitHandle.from_dict(h) for h in results if h]
+        devices = {h.device for h in handles}
+        if len(devices) > 1:  # in-band buffers on several devices: no one engine worker could open them all
+            raise ValueError(f"the stages exported on devices {sorted(devices)}: an in-band refit needs `senders` "
+                             "(weights/routing.py)")
+        return RefitHandle(handles[0].transport, version, [b for h in handles for b in h.buckets], devices.pop())
+
+    def device_ids(self) -> list[str]:
+        """Each rank's device identity, in rank order (fixed for the group's life: asked once)."""
+        if getattr(self, "_device_ids", None) is None:
+            self._device_ids = self.group.call("device_id")
+        return self._device_ids
 
     def refit_endpoints(self, host: str | None) -> list[dict]:
         """One meeting point per pipeline stage for the collective refit groups, in stage order."""

@@ -1,11 +1,15 @@
 """The policy rank's weights going out: HF-named export in buckets, and the refit senders (see weights/transport.py).
 
-A mixin of `MegatronPolicyWorker` (which provides `gpt`, `spec`, `dp_rank`, `device` and `_require_resident`).
-Exporting is collective over the tensor-parallel group (shards are gathered), so every TP rank of a stage iterates
-the export; the stage's exporting rank (TP rank 0 of DP replica 0) is the one that sends:
-- in-band transports (shared memory, CUDA IPC): `send_weights` returns the handle; `release_refit` frees buffers;
-- the collective transport (disaggregated engines): `refit_endpoint` + `join_refit_group` once, then per refit
-  `send_weights` (stages the buckets, returns the manifest) and `broadcast_refit` while the engines receive.
+A mixin of `MegatronPolicyWorker` (which provides `gpt`, `spec`, `rank`, `dp_rank`, `device` and `_require_resident`).
+Exporting is collective over the tensor-parallel group (shards are gathered, every TP rank gets the full tensors),
+so every TP rank of a stage iterates the export. Who sends:
+- in-band transports (shared memory, CUDA IPC; colocated engines): the ranks the driver names (`senders`), one per
+  device that hosts an engine worker (`weights/routing.py`). An engine worker needs the whole model on its own device,
+  so with PP > 1 a sender also receives the other stages' buckets over its pipeline-parallel group
+  (`_all_stage_buckets`). `send_weights` returns the sender's handle; `release_refit` frees its buffers;
+- the collective transport (disaggregated engines): each stage's exporting rank (TP rank 0 of DP replica 0) with
+  `refit_endpoint` + `join_refit_group` once, then per refit `send_weights` (stages the buckets, returns the
+  manifest) and `broadcast_refit` while the engines receive.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import socket
 from typing import Iterator
 
 import torch
+
+from megatron_rl.platform import get_platform
 
 
 class WeightsOut:
@@ -39,14 +45,26 @@ class WeightsOut:
         if bucket:
             yield bucket
 
-    def send_weights(self, version: int, transport: str, bucket_bytes: int = 256 << 20) -> dict | None:
-        """Export through a refit transport; each stage's exporting rank returns its handle (collective: the
-        manifest of the staged buckets, sent by `broadcast_refit`)."""
+    def device_id(self) -> str:
+        """This rank's device identity (platform.device_identity): where its in-band refit buffers live."""
+        return get_platform().device_identity(self.device)
+
+    def send_weights(self, version: int, transport: str, bucket_bytes: int = 256 << 20,
+                     senders: list[int] | None = None) -> dict | None:
+        """Export through a refit transport. In-band with `senders` (global ranks): those ranks export the whole
+        model and return their handle; collective (or in-band without senders): each stage's exporting rank returns
+        its stage's handle (collective: the manifest of the staged buckets, sent by `broadcast_refit`). Collective
+        over TP (and over PP when a sender needs other stages): every rank must call it."""
         from megatron_rl.weights.collective import TRANSPORT as COLLECTIVE
         from megatron_rl.weights.transport import make_sender
 
-        buckets = self.export_weights(bucket_bytes)  # collective over TP: every TP rank must iterate it
-        if not self._is_exporter():
+        if senders is None or transport == COLLECTIVE:
+            exporter = self._is_exporter()
+            buckets = self.export_weights(bucket_bytes)  # collective over TP: every TP rank must iterate it
+        else:
+            exporter = self.rank in senders
+            buckets = self._all_stage_buckets(bucket_bytes, senders)
+        if not exporter:
             for _ in buckets:
                 pass
             return None
@@ -64,6 +82,45 @@ class WeightsOut:
                 self._refit_sender = sender
         sender.release()  # normally done already by release_refit(); a no-op then
         return sender.send(buckets, version).to_dict()
+
+    def _all_stage_buckets(self, bucket_bytes: int, senders: list[int]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Every stage's buckets on every rank of this rank's pipeline group, in stage order, when that group holds
+        a sender; else this stage's own (the TP collective still needs this rank). Each stage's rank broadcasts
+        its buckets in turn (a manifest object, then one flat buffer) over the pipeline group, NCCL on GPU and gloo
+        on CPU; a bucket in transit costs one flat copy of it per rank, never the whole model."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.weights.manifest import as_bytes, bucket_layout, typed_views
+
+        pp = ps.get_pipeline_model_parallel_world_size()
+        group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+        ranks = dist.get_process_group_ranks(group) if group is not None else [self.rank]
+        if pp == 1 or not set(ranks) & set(senders):
+            yield from self.export_weights(bucket_bytes)
+            return
+        me = ps.get_pipeline_model_parallel_rank()
+        for stage, src in enumerate(ranks):  # the group's ranks are in stage order
+            if stage == me:
+                for bucket in self.export_weights(bucket_bytes):
+                    specs, size = bucket_layout(bucket)
+                    flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+                    for spec, (_, t) in zip(specs, bucket):
+                        flat[spec.offset:spec.offset + spec.nbytes].copy_(as_bytes(t))
+                    dist.broadcast_object_list([(specs, size)], src=src, group=group)
+                    dist.broadcast(flat, src=src, group=group)
+                    yield bucket
+                dist.broadcast_object_list([None], src=src, group=group)  # end of this stage
+                continue
+            while True:
+                meta = [None]
+                dist.broadcast_object_list(meta, src=src, group=group)
+                if meta[0] is None:
+                    break
+                specs, size = meta[0]
+                flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+                dist.broadcast(flat, src=src, group=group)
+                yield typed_views(flat, specs)
 
     # ---- collective transport (disaggregated engines)
     def refit_endpoint(self, host: str | None = None) -> dict | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_rl.platform import get_platform
 from megatron_rl.weights.manifest import (Bucket, BucketSpec, RefitError, RefitHandle, as_bytes, bucket_layout,
                                           typed_views)
 
@@ -26,9 +27,9 @@ class CudaIpcSender:
     def send(self, buckets: Iterable[Bucket], version: int) -> RefitHandle:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        handle = RefitHandle("cuda_ipc", int(version))
         device = torch.cuda.current_device()
-        uuid_ = str(torch.cuda.get_device_properties(device).uuid)
+        uuid_ = get_platform().device_identity(torch.device("cuda", device))
+        handle = RefitHandle("cuda_ipc", int(version), device=uuid_)
         for bucket in buckets:
             specs, size = bucket_layout(bucket)
             flat = torch.empty(size, dtype=torch.uint8, device=device)
@@ -53,7 +54,7 @@ def map_cuda_ipc(handle: RefitHandle, device: torch.device) -> list[Bucket]:
     """Open the sender's buffers in this (engine worker) process; checks each buffer's size against the manifest."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    my_uuid = str(torch.cuda.get_device_properties(device).uuid)
+    my_uuid = get_platform().device_identity(device)
     out = []
     for k, b in enumerate(handle.buckets):
         per_gpu = pickle.loads(b.location)

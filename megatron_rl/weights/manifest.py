@@ -45,6 +45,7 @@ class RefitHandle:
     transport: str
     version: int
     buckets: list[BucketSpec] = field(default_factory=list)
+    device: str | None = None  # in-band transports: identity of the device the buffers are on (routing.py)
 
     def names(self) -> list[str]:
         return [t.name for b in self.buckets for t in b.tensors]
@@ -64,7 +65,7 @@ class RefitHandle:
         if isinstance(d, RefitHandle):
             return d
         buckets = [BucketSpec(**{**b, "tensors": [TensorSpec(**t) for t in b["tensors"]]}) for b in d["buckets"]]
-        return cls(d["transport"], int(d["version"]), buckets)
+        return cls(d["transport"], int(d["version"]), buckets, d.get("device"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

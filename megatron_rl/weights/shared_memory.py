@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_rl.platform import get_platform
 from megatron_rl.weights.manifest import (Bucket, BucketSpec, RefitError, RefitHandle, TensorSpec, as_bytes,
                                           bucket_layout, typed_views)
 
@@ -147,7 +148,8 @@ class SharedMemorySender:
         self._generation = 0  # part of new file names, so a replaced bucket never reuses a path a receiver mapped
 
     def send(self, buckets: Iterable[Bucket], version: int) -> RefitHandle:
-        handle = RefitHandle("shared_memory", int(version))
+        # the slot this process was placed on: a receiver on another slot refuses the handle (routing.py)
+        handle = RefitHandle("shared_memory", int(version), device=get_platform().device_identity())
         count = 0
         for k, bucket in enumerate(buckets):
             specs, size = bucket_layout(bucket)

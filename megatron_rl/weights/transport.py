@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.platform import get_platform
 from megatron_rl.weights.collective import TRANSPORT as COLLECTIVE
 from megatron_rl.weights.collective import CollectiveReceiver
 from megatron_rl.weights.cuda_ipc import CudaIpcSender, map_cuda_ipc
@@ -26,7 +27,13 @@ from megatron_rl.weights.shared_memory import SharedMemorySender, map_shared_mem
 def open_buckets(handle: RefitHandle, device: torch.device, receiver: CollectiveReceiver | None = None):
     """Receiver entry point: the buckets of `handle` as `(name, tensor)` lists, validated as far as the transport
     allows before the first tensor is handed out (shared memory: all sizes and stamps; CUDA IPC: all sizes;
-    collective: every bucket received in full)."""
+    collective: every bucket received in full). An in-band handle made on another device is refused before any
+    byte is read (routing.py: the CPU refuses another slot's as a GPU cannot open another GPU's buffers)."""
+    if handle.transport in ("shared_memory", "cuda_ipc") and handle.device is not None:
+        mine = get_platform().device_identity(device)
+        if handle.device != mine:
+            raise RefitError(f"refit v{handle.version}: update exported on device {handle.device} was handed to an "
+                             f"engine worker on device {mine} (colocated refits stay on one device)")
     if handle.transport == "shared_memory":
         return map_shared_memory(handle)
     if handle.transport == "cuda_ipc":
