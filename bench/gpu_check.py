@@ -221,7 +221,7 @@ class Check:
         return out
 
     def varlen_train(self) -> dict:
-        """Padded vs varlen vs varlen + cascade train steps; the cascade op vs fp64 (`bench/gpu_check_varlen.py`)."""
+        """Padded vs varlen vs varlen + cascade train steps; the packed op vs fp64, bounded (`gpu_check_varlen.py`)."""
         from bench.gpu_check_varlen import varlen_train
 
         return varlen_train(self)

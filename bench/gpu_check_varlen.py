@@ -2,10 +2,12 @@
 DeepScaleR-shaped batch (a few long, many short completions per group), on the train section's worker.
 
 Per layout: tokens fed, step time (median of the timed steps after one warm-up), finite loss, and the largest logprob
-difference to the padded layout on the same weights. Then the cascade attention op itself on the device (fp32 and
-bf16, forward and gradients) against an explicit-mask softmax attention in fp64: on CUDA that is the only place the
-memory-efficient-kernel branch of `models/varlen_attention.py` runs (no CPU test reaches it). Under transformer-engine
-plain varlen rows go to TE's fused THD attention; without TE (the lent machine's usual state) both use the torch path.
+difference to the padded layout on the same weights. Then the packed attention op itself on the device, on a cascade
+row and on a plain varlen row (fp32 and bf16, forward and gradients), against plain per-segment softmax attention in
+fp64, each error within OP_BOUNDS or the section fails: on CUDA that is the only place the memory-efficient-kernel
+branch of `models/varlen_attention.py` computes numbers (a CPU test checks only the layout it hands the kernel).
+Under transformer-engine plain varlen rows go to TE's fused THD attention; without TE (the lent machine's usual state)
+both use the torch path.
 """
 from __future__ import annotations
 
@@ -17,33 +19,40 @@ import torch
 LAYOUTS = {"padded": (False, False), "varlen": (False, True), "varlen_cascade": (True, True)}
 
 
-def _masked_reference(q, k, v, starts, lengths, prefix_of, scale):
-    t = q.shape[0]
-    seg = torch.full((t,), -1, device=q.device)
-    for i, (s, n) in enumerate(zip(starts, lengths)):
-        seg[s:s + n] = i
-    pre = torch.tensor(prefix_of + [-2], device=q.device)[seg.clamp(min=0)]
-    pre = torch.where(seg >= 0, pre, torch.full_like(pre, -2))
-    same_or_prefix = (seg[:, None] == seg[None, :]) | (pre[:, None] == seg[None, :])
-    allow = (seg[:, None] >= 0) & (seg[None, :] >= 0) & same_or_prefix
-    allow &= torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    rep = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    p = torch.softmax(s.masked_fill(~allow, -1e30), -1) * allow.any(-1)[:, None]
-    return torch.einsum("hqk,khd->qhd", p, vv).reshape(t, -1)
+# Bound on every op error below: max |packed - reference| / max |reference|, per tensor (out, dq, dk, dv). The packed
+# op takes the fp64 inputs rounded to `dtype` and stores its results in `dtype`; the reference computes in fp64 on the
+# unrounded inputs. bf16 keeps 8 significant bits (unit roundoff u = 2^-9 ~ 2e-3): rounding the inputs and the result,
+# and the kernel's bf16 copies of P and dS in the backward, give a few u relative to the largest value (4e-3 to 8e-3
+# on CPU at GPU_SHAPES, and in a torch emulation of the CUDA kernel's bf16 roundings); 2e-2 (~10 u) leaves room for
+# that and is far below what a wrong Delta, mask or prefix sum gives (1e-1 to 1 for Delta read from the wrong rows,
+# in that emulation). fp32 (3xTF32 on sm80+, fp32 on CPU; 1e-6 on CPU): 1e-4 leaves the same kind of room.
+OP_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def cascade_op_errors(device, dtype, prefix: int, completions: list[int], heads=(8, 2), head_dim=64) -> dict:
-    """Max abs errors of the cascade op (one group: a prefix and its completions, padded to 8) vs fp64 masked."""
+def _segment_reference(q, k, v, starts, lengths, prefix_of, scale):
+    """Plain softmax attention, one segment at a time: its queries attend all of its prefix's keys and its own keys
+    causally; rows outside every segment are 0. Written out in the inputs' precision (fp64 here), no fused kernel."""
+    t, hq, d = q.shape
+    rep = hq // k.shape[1]
+    out = q.new_zeros(t, hq, d)
+    for s, n, p in zip(starts, lengths, prefix_of):
+        ps, pn = (starts[p], lengths[p]) if p >= 0 else (0, 0)
+        kk, vv = (torch.cat([x[ps:ps + pn], x[s:s + n]]).repeat_interleave(rep, 1) for x in (k, v))
+        allow = torch.ones(n, pn + n, dtype=torch.bool, device=q.device).tril(diagonal=pn)  # prefix full, own causal
+        scores = torch.einsum("qhd,khd->hqk", q[s:s + n], kk) * scale
+        out[s:s + n] = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~allow, -math.inf), -1), vv)
+    return out.reshape(t, -1)
+
+
+def packed_op_errors(device, dtype, lengths: list[int], prefix_of: list[int], heads=(8, 2), head_dim=64) -> dict:
+    """The packed-row op (`varlen_attention`, each segment padded to 8) vs `_segment_reference` in fp64 on the same
+    inputs: per tensor the max abs error, and (`rel`) its ratio to the largest reference value against OP_BOUNDS."""
     from megatron_rl.models.varlen_attention import CascadeSeqParams, varlen_attention
 
-    starts, lengths, at = [], [], 0
-    for n in [prefix] + completions:
+    starts, at = [], 0
+    for n in lengths:
         starts.append(at)
-        lengths.append(n)
         at += -(-n // 8) * 8
-    prefix_of = [-1] + [0] * len(completions)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(at, h, head_dim, generator=g, device=device, dtype=torch.float64)
                for h in (heads[0], heads[1], heads[1]))
@@ -54,12 +63,30 @@ def cascade_op_errors(device, dtype, prefix: int, completions: list[int], heads=
     out = varlen_attention(*xs, params, scale)
     grads = torch.autograd.grad((out.double() * do).sum(), xs)
     rs = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = _masked_reference(*rs, starts, lengths, prefix_of, scale)
+    ref = _segment_reference(*rs, starts, lengths, prefix_of, scale)
     rgrads = torch.autograd.grad((ref * do).sum(), rs)
-    err = {"out": float((out.double() - ref).abs().max())}
-    for name, a, b in zip(("dq", "dk", "dv"), grads, rgrads):
+    err, rel = {}, {}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *rgrads)):
         err[name] = float((a.double() - b).abs().max())
-    return err
+        rel[name] = err[name] / float(b.abs().max())
+    return {**err, "rel": rel, "bound": OP_BOUNDS[dtype],
+            "over_bound": sorted(name for name, r in rel.items() if not r <= OP_BOUNDS[dtype])}  # NaN counts as over
+
+
+def op_checks(device, prefix: int, completions: list[int]) -> dict:
+    """The op on a cascade row (a prefix and its completions) and on a plain varlen row (the same lengths, each
+    segment causal on its own), fp32 and bf16: the only check of the numbers the CUDA kernel branch of
+    `models/varlen_attention.py` computes (its CPU test, on `meta` tensors, checks the layout it hands the kernel)."""
+    lengths = [prefix] + completions
+    rows = {"cascade_op": [-1] + [0] * len(completions), "varlen_op": [-1] * len(lengths)}
+    return {row: {str(dt).replace("torch.", ""): packed_op_errors(device, dt, lengths, prefix_of)
+                  for dt in (torch.float32, torch.bfloat16)} for row, prefix_of in rows.items()}
+
+
+def over_bounds(checks: dict) -> list[str]:
+    """`op_checks`' errors over their bounds, one line each."""
+    return [f"{row} {dt} {name}: {r['rel'][name]:.3g} > {r['bound']:g}"
+            for row in ("cascade_op", "varlen_op") for dt, r in checks[row].items() for name in r["over_bound"]]
 
 
 def varlen_train(check) -> dict:
@@ -100,7 +127,9 @@ def varlen_train(check) -> dict:
     finally:
         w.shared_prefix, w.varlen, w.narrow_logits = saved
         check.batch = train_batch
-    dev = plat.device()
-    out["cascade_op"] = {str(dt).replace("torch.", ""): cascade_op_errors(dev, dt, **sh["cascade_op"])
-                         for dt in (torch.float32, torch.bfloat16)}
+    out.update(op_checks(plat.device(), **sh["cascade_op"]))
+    over = over_bounds(out)
+    if over:  # failed as gpu_check records a failure, keeping this section's numbers beside it
+        out["error"] = "packed attention op vs fp64 reference over its bound (relative to the largest value): " + \
+            "; ".join(over)
     return out

@@ -16,8 +16,9 @@ the final O and lse, as in ring attention). No [s, s] mask is ever built.
 Where this runs: megatron's local spec (CPU, and GPU without transformer-engine) gets `VarlenDotProductAttention`
 for every packed row. Under transformer-engine's spec, plain varlen rows go to TE's own fused THD attention and only
 cascade rows come here (`with_varlen_core_attention`). Per-segment kernels: torch's fused flash kernel on CPU; on
-CUDA torch's memory-efficient kernel (fp32 and bf16; flash on CUDA takes no fp32), which no CPU test reaches
-(`bench/gpu_check.py` covers it on a lent GPU). Plain segments use `F.scaled_dot_product_attention`.
+CUDA torch's memory-efficient kernel (fp32 and bf16; flash on CUDA takes no fp32), whose numbers no CPU test sees
+(`bench/gpu_check.py` checks them on a lent GPU; `tests/unit/test_varlen.py` checks, on `meta` tensors, the layout
+this module hands it).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _part_forward(q, k, v, causal: bool, scale: float):
     if q.device.type == "cpu":
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return o, lse, ()
-    # CUDA only (no CPU test reaches it; bench/gpu_check.py's varlen_train checks it against an fp64 reference):
+    # CUDA (no CPU test computes it; bench/gpu_check.py's varlen_train checks it against an fp64 reference):
     # the memory-efficient kernel (fp32 and bf16), called the way torch's own SDPA calls it ([b, s, h, d] layout,
     # mask type 1 = causal from the top-left, equal to bottom-right here as the causal part is square)
     o, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
@@ -71,6 +72,11 @@ def _part_backward(do, q, k, v, o, lse, causal: bool, scale: float, rng):
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, o, lse.contiguous(), 0.0, causal, scale=scale)
+    # CUDA: the memory-efficient kernel's layout. q, k, v: any strides (they are passed), last dim dense. `o`: its
+    # rows at m * h * d, always: for bf16/fp16 the kernel computes Delta = rowsum(dO * O) itself and hard-codes O's
+    # row stride as h * d (only its batch and head strides are passed; fp32 computes Delta in torch, honouring
+    # strides, so only bf16 went wrong). `do` dense too (torch would copy it per call otherwise). Both come as
+    # slices of a [t, h * d] row (_PackedRow.backward), so no copy here. lse: fp32, padded as the forward returns it
     pad = (-lse.shape[-1]) % 32  # the efficient kernel keeps lse padded to a multiple of 32 queries
     lse_p = F.pad(lse, (0, pad)) if pad else lse
     t = [x.transpose(1, 2) for x in (do, q, k, v, o)]
@@ -134,16 +140,19 @@ class _PackedRow(torch.autograd.Function):
         if t > at:
             pieces.append(query.new_zeros(1, h, t - at, d))
         out = torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]  # [1, h, t, d]
-        ctx.save_for_backward(query, key, value, out)
+        # the row as [t, h * d] (a copy where `out` is the concatenation, as reshape made before), saved in that
+        # layout: its segments' slices are then the dense [1, s, h, d] rows the CUDA backward needs (_part_backward)
+        rows = out[0].transpose(0, 1).contiguous().view(t, h * d)
+        ctx.save_for_backward(query, key, value, rows)
         ctx.runs, ctx.scale, ctx.saved = runs, scale, saved
-        return out[0].transpose(0, 1).reshape(t, h * d)
+        return rows
 
     @staticmethod
     def backward(ctx, dout):
-        query, key, value, out = ctx.saved_tensors
+        query, key, value, rows = ctx.saved_tensors
         t, h, d = query.shape
         q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))
-        do = dout.reshape(t, h, d).transpose(0, 1)[None]
+        out, do = (x.view(t, h, d).transpose(0, 1)[None] for x in (rows, dout.contiguous()))  # dense rows of h * d
         acc = torch.promote_types(query.dtype, torch.float32)
         dq, dk, dv = [], [], []  # per segment (and padding gap), in row order
         piece_at, to_prefix = {}, []  # segment start -> its index in dk/dv; (prefix start, dk, dv) to add there

@@ -62,6 +62,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(r["max_logprob_diff_vs_padded"] < 0.1 for r in vl["layouts"].values())  # bf16, same weights
     assert vl["cascade_op"]["float32"]["out"] < 1e-5 and vl["cascade_op"]["float32"]["dq"] < 1e-4
     assert vl["cascade_op"]["bfloat16"]["out"] < 0.05
+    for row in ("cascade_op", "varlen_op"):  # the packed op vs per-segment fp64 attention, each within its bound
+        for dt, r in vl[row].items():
+            assert set(r["rel"]) == {"out", "dq", "dk", "dv"} and not r["over_bound"], (row, dt, r)
+            assert max(r["rel"].values()) <= r["bound"] == {"float32": 1e-4, "bfloat16": 2e-2}[dt], (row, dt, r)
 
     k = sections["logprob_kernel"]
     assert k["impl"] == "triton" and k["interpreted"]  # the Triton interpreter ran the GPU kernel's code on CPU
@@ -79,3 +83,17 @@ def test_gpu_check_dry_run(tmp_path):
     assert sections["ipc_refit"]["checksums_match"] and sections["ipc_refit"]["samples_equal"]
     save = sections["save_after_handover"]
     assert save["loaded_equals_saved"] and save["weights_moved_by_step"] and save["bytes"] > 0
+
+
+def test_packed_op_over_its_bound_fails_the_section(monkeypatch):
+    """The varlen section's op check names every error over its bound (the section then records an error): here
+    with the bf16 bound tightened below what bf16 can meet, on a small cascade row on CPU."""
+    import torch
+
+    from bench import gpu_check_varlen as gv
+
+    monkeypatch.setitem(gv.OP_BOUNDS, torch.bfloat16, 1e-6)
+    checks = gv.op_checks(torch.device("cpu"), prefix=9, completions=[6, 1])
+    assert all(not checks[row]["float32"]["over_bound"] for row in ("cascade_op", "varlen_op"))
+    over = gv.over_bounds(checks)
+    assert len(over) == 8 and all(" bfloat16 " in line and "> 1e-06" in line for line in over), over

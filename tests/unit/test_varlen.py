@@ -4,12 +4,15 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rl.policy import batching, packing
 from megatron_rl.policy.microbatch import pack_microbatches
 from tests.unit.test_packing import _batch
 
 pytest.importorskip("megatron.core")
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+
 from megatron_rl.models.varlen_attention import CascadeSeqParams, segments_of, varlen_attention  # noqa: E402
 
 
@@ -141,3 +144,68 @@ def test_a_group_of_adjacent_completions_against_fp64(dtype, tol):
     for a, w in zip(got, want):
         assert a.dtype == dtype
         torch.testing.assert_close(a.double(), w, atol=3 * tol, rtol=tol)
+
+
+class _MemEffKernelStandIn(TorchDispatchMode):
+    """Stands in for torch's memory-efficient CUDA attention on `meta` tensors: checks every call's arguments
+    against what the CUDA kernel reads (torch's attention_backward.cu and mem_eff_attention/kernel_backward.h),
+    and answers with empty tensors of the kernel's shapes (torch's own meta kernel of the backward does not take
+    today's `out` argument). Every other op runs as usual."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._efficient_attention_forward.default:
+            # q, k, v [b, s, h, d]: the kernel takes their batch, row and head strides; the last dim must be dense
+            assert all(x.stride(-1) == 1 for x in args[:3]), [x.stride() for x in args[:3]]
+            self.calls["forward"] += 1
+            return func(*args, **kwargs)  # torch's meta kernel: out [b, s, h, d], lse [b, h, s padded to 32]
+        if func is torch.ops.aten._efficient_attention_backward.default:
+            do, q, k, v, _, out = args[:6]
+            lse, max_q, max_k = args[10], args[8], args[9]
+            b, s, h, d = q.shape
+            assert out.shape == do.shape == (b, s, h, v.shape[-1]) and (max_q, max_k) == (s, k.shape[1])
+            assert all(x.stride(-1) == 1 for x in (q, k, v, do, out))
+            # the kernel's computeDelta (bf16/fp16) reads row m of `out` at m * h * d (o_strideM() is hard-coded,
+            # only out's batch and head strides are passed); torch copies a non-dense grad_out itself, which per
+            # segment is a copy of the whole slice, so both must come as dense [b, s, h, d] rows
+            for name, x in (("out", out), ("grad_out", do)):
+                assert x.stride(1) == h * x.shape[-1], f"{name} {tuple(x.shape)} strides {x.stride()}: row stride " \
+                                                      f"{x.stride(1)}, the kernel reads rows of {h * x.shape[-1]}"
+            # lse: fp32 [b, h, >= s], padded to whole blocks of 32 queries (as the forward returns it), rows dense
+            assert lse.dtype == torch.float32 and lse.shape[:2] == (b, h) and lse.shape[-1] >= s
+            assert lse.shape[-1] % 32 == 0 and lse.is_contiguous(), (lse.shape, lse.stride())
+            self.calls["backward"] += 1
+            return (*(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v)),
+                    torch.empty(0, device=q.device))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("row", ["varlen", "cascade"])
+def test_the_cuda_branch_hands_the_kernel_its_layout(row):
+    """Guards the CUDA branch of the packed-row attention (no CPU test reaches it otherwise): on `meta` tensors
+    (device type not "cpu") the forward and backward call torch's memory-efficient kernel, whose arguments are
+    checked against the layout the CUDA kernel assumes. A [1, h, t, d] concatenation of the outputs, sliced per
+    segment, has row stride d, not h * d: bf16 Delta = rowsum(dO * O) then reads the wrong rows (silently wrong
+    gradients, or an illegal address). bf16 as the DeepScaleR configs run it; a plain varlen row of padded
+    segments, and a cascade row (a prefix, its adjacent completions, one after padding, a plain sequence)."""
+    t, hq, hk, d = 48, 4, 2, 16
+    if row == "varlen":  # megatron's own params: real and padded cu_seqlens (host tensors, the row on the device)
+        real, padded = [0, 5, 12, 15, 24], [0, 8, 16, 24, 40]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(real, dtype=torch.int32),
+                                 cu_seqlens_q_padded=torch.tensor(padded, dtype=torch.int32))
+        calls = {"forward": 4, "backward": 4}
+    else:
+        params = CascadeSeqParams(qkv_format="thd", prefix_of=[-1, 0, 0, 0, -1], starts=[0, 7, 12, 24, 40],
+                                  lengths=[7, 5, 6, 9, 5])
+        calls = {"forward": 7, "backward": 7}  # 5 own parts; the prefix part once per run of adjacent completions
+    q, k, v = (torch.randn(t, h, d, dtype=torch.bfloat16, device="meta", requires_grad=True) for h in (hq, hk, hk))
+    with _MemEffKernelStandIn() as kernel:
+        out = varlen_attention(q, k, v, params, 1 / math.sqrt(d))
+        grads = torch.autograd.grad((out * torch.randn_like(out)).sum(), (q, k, v))
+    assert out.shape == (t, hq * d) and out.dtype == torch.bfloat16
+    assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v)]
+    assert kernel.calls == calls
