@@ -1,6 +1,8 @@
-"""Colocated policy (TP=2 over 2 Ray actors) + vLLM generator: after 3 GRPO steps and refits the generator serves
-exactly the trained weights (greedy output equals HF transformers on the exported weights; fp32 and bf16), the
-trainer and generator logprobs agree, and a policy rank killed mid-step stops the driver with a named error within seconds."""
+"""Colocated policy (TP=2, and PP=2, over 2 Ray actors) + two vLLM engines, one per device: after 3 GRPO steps and
+refits each engine serves exactly the trained weights (greedy output equals HF transformers on the exported weights;
+fp32 and bf16), the trainer and generator logprobs agree, each engine loads the update its own device's policy rank
+exported (at PP=2 that rank holds one stage and receives the other over its pipeline group) and refuses another
+device's, and a policy rank killed mid-step stops the driver with a named error within seconds."""
 import os
 import signal
 import statistics
@@ -29,14 +31,15 @@ class LengthReward:
         pass
 
 
-@pytest.fixture(scope="module", params=["fp32", "bf16"])
+@pytest.fixture(scope="module", params=[("fp32", "tp"), ("bf16", "tp"), ("fp32", "pp")], ids=lambda p: "-".join(p))
 def parts(request, tiny_model_factory, tmp_path_factory):
     from megatron_rl.build import build
 
+    precision, split = request.param
     model = tiny_model_factory("tp2_tiny", seed=11, hidden=128, heads=4, kv_heads=2, tied=False)
     out = tmp_path_factory.mktemp("colocated")
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", [
-        f"policy.model={model}", f"policy.precision={request.param}", "policy.tp=2", "cluster.devices_per_node=2",
+        f"policy.model={model}", f"policy.precision={precision}", f"policy.{split}=2", "cluster.devices_per_node=2",
         f"output.dir={out}",
         "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
         "policy.optimizer.lr=1e-3", "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64"])
@@ -111,6 +114,41 @@ def test_refit_after_training_serves_trained_weights(parts):
         assert got == ref[:len(got)] and len(got) >= 1
 
 
+def test_refit_is_routed_by_device(parts):
+    """Each engine's device hosts a policy rank, which exports the whole model for it; an engine handed the update
+    of the other device refuses it, before loading anything, and keeps serving its weights."""
+    from megatron_rl.weights.manifest import RefitError
+    from megatron_rl.weights.routing import RoutedUpdate
+
+    cfg, c, _ = parts
+    policy_devs = c.policy.device_ids()
+    engine_devs = c.generator.device_ids()
+    assert len(set(policy_devs)) == 2 and engine_devs == [[policy_devs[0]], [policy_devs[1]]]
+    assert c.handover.senders == [0, 1]  # at TP=2 rank 1 is TP rank 1; at PP=2 it holds the second stage only
+    version = c.handover.version
+    c.handover.to_trainer()
+    c.generator.wake_up(["weights"])
+    try:
+        update = c.policy.send_weights(version + 1, c.handover.transport, c.handover.bucket_bytes,
+                                       c.handover.senders)
+        assert isinstance(update, RoutedUpdate) and sorted(update.by_device) == sorted(policy_devs)
+        names = {d: sorted(h.names()) for d, h in update.by_device.items()}
+        assert names[policy_devs[0]] == names[policy_devs[1]]  # both ranks exported every stage's tensors
+        wrong = update.by_device[policy_devs[0]]
+        second = c.generator.engines[1]
+        with pytest.raises(RefitError, match="handed to an engine worker on device"):
+            second.receive_weights(wrong.to_dict())
+        with pytest.raises(RefitError, match="exported on .* only"):
+            second.receive_weights(RoutedUpdate(version + 1, {policy_devs[0]: wrong}).to_dict())
+    finally:
+        c.policy.release_refit()
+        c.handover.to_generator()
+    assert c.generator.weight_version == version  # refused: nothing loaded, every engine still at its version
+    prompts = [c.tokenizer.encode("12 + 5 =")]
+    assert len(second.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4,
+                               expected_version=version).token_ids) == 1
+
+
 @torch.no_grad()
 def _logprob_error(res, prompts, model) -> float:
     """Mean |engine logprob - model logprob| over the sampled tokens (temperature 1)."""
@@ -123,7 +161,7 @@ def _logprob_error(res, prompts, model) -> float:
     return float(torch.cat(errs).mean())
 
 
-@pytest.mark.parametrize("parts", ["fp32"], indirect=True)  # the failure path does not depend on the dtype
+@pytest.mark.parametrize("parts", [("fp32", "tp")], indirect=True, ids=["fp32-tp"])  # nor on dtype or split
 def test_killed_policy_rank_fails_fast_and_named(parts):
     cfg, c, _ = parts
     victim = c.policy.group.pids[1]
