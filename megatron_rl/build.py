@@ -113,7 +113,8 @@ def build(cfg: Config, out_dir: Path) -> Components:
     policy = PolicyGroup(group)
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
 
-    handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES)
+    handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
+                        sleep_level=cfg.generation.sleep_level)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
     engines = []

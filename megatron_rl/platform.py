@@ -34,6 +34,15 @@ class Platform:
         return self.device_type == "cuda"
 
     @property
+    def default_packing(self) -> str:
+        """`policy.packing: auto`. GPU: varlen. With shared_prefix (the default) and packing none every group row
+        carries an explicit block mask, which sends attention through the unfused O(s^2) path (transformer-engine
+        and megatron's local spec alike); varlen rows stay on fused kernels (TE's THD attention, cascade rows on
+        torch's). CPU: none, where the block-mask rows trained as fast as cascade rows at the demo's shape
+        (bench/demo_ab.py --compare packing, 0.87-0.98x, 2026-11-30, 2 cores) and are what the demo was tuned on."""
+        return "varlen" if self.is_gpu else "none"
+
+    @property
     def moe_token_dispatcher(self) -> str:
         """megatron-core's MoE token dispatcher: "alltoall" on both platforms (each token travels only to the EP
         ranks of its experts, and EP ranks may hold different token counts).

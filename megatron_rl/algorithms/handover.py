@@ -5,6 +5,11 @@
     refit():        engine wakes its weights -> trainer streams the next version -> transport buffers released
     to_generator(): trainer offloads -> engine wakes its KV cache
 
+The engine sleeps at `generation.sleep_level` (default 2: its weights are discarded, not copied to host and back,
+since the refit rewrites every one of them). A step that trains nothing skips its refit; under level 2 the engine's
+weights are then gone, so `to_generator` refits them first (same weights, next version) while the trainer is
+still resident.
+
 The trainer's state and the engine's KV cache are never resident together; the engine's weights and the trainer
 are, during the refit only. Checkpoints are written between `to_trainer` and `to_generator` (the trainer's state
 must be resident to be read). Disaggregated placements skip the memory moves: each side keeps its own devices.
@@ -23,9 +28,11 @@ BUCKET_BYTES = 256 << 20  # refit bucket size: large enough to amortise per-buck
 
 
 class Handover:
-    def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int):
+    def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int, sleep_level: int):
         self.policy, self.generator = policy, generator
         self.colocated = colocated
+        self.sleep_level = sleep_level
+        self._engine_has_weights = True  # False between a level-2 sleep and the next refit
         self.bucket_bytes = bucket_bytes
         plat = get_platform()
         # colocated: in-band (shared memory / CUDA IPC on the same device); disaggregated: a broadcast per stage
@@ -77,13 +84,17 @@ class Handover:
     def to_trainer(self) -> None:
         if self.colocated and not self.trainer_holds_device:
             def move():
-                self.generator.sleep()
+                self.generator.sleep(self.sleep_level)
                 self.policy.onload()
             self._timed(move)
             self.trainer_holds_device = True
+            self._engine_has_weights = self.sleep_level < 2
 
     def to_generator(self) -> None:
         if self.colocated and self.trainer_holds_device:
+            if not self._engine_has_weights:  # a step without a refit, after a level-2 sleep (module docstring)
+                self.refit()
+
             def move():
                 self.policy.offload()
                 # after a refit only the KV cache is still asleep; without one (a skipped step) the weights are too
@@ -113,4 +124,5 @@ class Handover:
             # CUDA IPC: the sender's flat copy of the model must not stay allocated through generation
             self.policy.release_refit()
         self.version += 1
+        self._engine_has_weights = True
         return time.perf_counter() - t0

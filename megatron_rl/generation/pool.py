@@ -95,8 +95,8 @@ class GeneratorPool:
     def kv_cache_bytes(self) -> int:
         return sum(self._all("kv_cache_bytes"))
 
-    def sleep(self) -> None:
-        self._all("sleep")
+    def sleep(self, level: int = 1) -> None:
+        self._all("sleep", level)
 
     def wake_up(self, tags=None) -> None:
         self._all("wake_up", tags)

@@ -126,7 +126,9 @@ class VLLMGenerator(Generator):
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(4096, kwargs["max_model_len"] or 0)
         else:
-            kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
+            kwargs["enable_sleep_mode"] = True
+            if config.gpu_memory_utilization is not None:  # None outside a loaded config: vLLM's own default
+                kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             backend = executor_backend(config.tp, in_ray_actor=_in_ray_actor())
             if backend:
                 kwargs["distributed_executor_backend"] = backend

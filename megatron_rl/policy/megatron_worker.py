@@ -107,7 +107,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         tcfg = gpt.config
         self.shared_prefix = self._enable_shared_prefix(gpt)
         # varlen rows: the core attention of `build_model`'s spec takes them; a sliding window would be ignored
-        self.varlen = cfg.packing == "varlen" and self.spec.sliding_window is None
+        packing_mode = plat.default_packing if cfg.packing == "auto" else cfg.packing  # the loader's rule too
+        self.varlen = packing_mode == "varlen" and self.spec.sliding_window is None
         self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
         from megatron_rl.policy.model_hooks import install_logit_window
 

@@ -167,13 +167,37 @@ def test_step_without_trainable_groups_is_skipped_not_fatal(parts):
     assert rec["no_trainable_groups"] is False and c.handover.version == version + 1
 
 
+def test_level_two_sleep_discards_the_weights_and_a_skipped_step_refits_them(parts):
+    """The engine sleeps at level 2 (generation.sleep_level): its weights are discarded, not kept in host memory,
+    so it cannot generate until a refit. A skipped step that still checkpoints hands the device to the trainer and
+    back without a refit of its own: the handover must refit the engine before it generates again."""
+    cfg, c, out = parts
+    assert cfg.generation.sleep_level == 2
+    version = c.handover.version
+    c.handover.to_trainer()
+    assert c.generator.weight_version == -1  # undefined: discarded by the level-2 sleep
+    c.handover.to_generator()
+    assert c.handover.version == version + 1 and c.generator.weight_version == version + 1
+    assert len(_generate(c, expected_version=version + 1)) == 2
+    cfg.grpo.advantage.dynamic_sampling = True
+    c.reward_fn = ConstantReward()
+    try:
+        rec = train_step(cfg, c, 9, GRPOLossFn(cfg.grpo.loss), checkpoint=lambda: _save(cfg, c, out / "ck2", 9))
+    finally:
+        cfg.grpo.advantage.dynamic_sampling = False
+        c.reward_fn = TextReward()
+    assert rec["skipped"] and (out / "ck2" / "step_9").is_dir()
+    assert c.handover.version == version + 2 and c.generator.state == AWAKE
+    assert len(_generate(c, expected_version=version + 2)) == 2
+
+
 def test_a_dead_engine_fails_the_step_naming_it(parts):
     """Last test on the shared parts: it kills one of the two engines."""
     cfg, c, _ = parts
     assert len(c.generator.engines) == 2
     os.kill(c.generator.pids()[1], signal.SIGKILL)
     with pytest.raises(WorkerDiedError, match=r"generator-1 died"):
-        train_step(cfg, c, 9, GRPOLossFn(cfg.grpo.loss))
+        train_step(cfg, c, 10, GRPOLossFn(cfg.grpo.loss))
 
 
 def test_run_aborts_after_max_empty_steps_naming_the_key(tiny_model_factory, tmp_path):

@@ -69,6 +69,8 @@ def test_misspelt_section_and_override(tmp_path):
     ("policy.optimizer.lr=[1]", r"policy\.optimizer\.lr: expected a number"),
     ("grpo.loss.ratio_clip_c=0.5", r"grpo\.loss\.ratio_clip_c"),
     ("logging.tensorboard=maybe", r"logging\.tensorboard: expected true/false"),
+    ("generation.gpu_memory_utilization=1.5", r"generation\.gpu_memory_utilization must be in \(0, 1\]"),
+    ("generation.sleep_level=3", r"generation\.sleep_level: 3 is not one of"),
 ])
 def test_wrong_values_name_key(tmp_path, override, match):
     p = write(tmp_path, "ok.yaml", "{}\n")
@@ -127,3 +129,28 @@ def test_override_syntax():
 def test_scientific_notation_without_dot_is_a_float(tmp_path):
     p = write(tmp_path, "c.yaml", "policy: {optimizer: {lr: 1e-6}}\n")  # YAML 1.1 reads this as a string
     assert load_config(p, check_model=False).policy.optimizer.lr == 1e-6
+
+
+@pytest.mark.parametrize("colocated,expected", [("true", 0.5), ("false", 0.9)])
+def test_engine_memory_share_follows_the_placement(tmp_path, colocated, expected):
+    """Unset, vLLM's share of an engine device is half when the trainer comes back onto it between rollouts, and
+    vLLM's own 0.9 when the engine owns its device; an explicit value wins."""
+    p = write(tmp_path, "ok.yaml", "{}\n")
+    over = [f"cluster.colocated={colocated}", "cluster.devices_per_node=2"]
+    assert load_config(p, over, check_model=False).generation.gpu_memory_utilization == expected
+    explicit = load_config(p, over + ["generation.gpu_memory_utilization=0.7"], check_model=False)
+    assert explicit.generation.gpu_memory_utilization == 0.7
+
+
+def test_packing_auto_is_the_platforms_choice(tmp_path):
+    """`policy.packing: auto` becomes varlen on GPU (a block mask would send attention down the unfused O(s^2) path)
+    and none on CPU, where the mask layout measured as fast; an explicit value wins."""
+    import torch
+
+    from megatron_rl.platform import Platform, get_platform
+
+    p = write(tmp_path, "ok.yaml", "{}\n")
+    assert load_config(p, [], check_model=False).policy.packing == get_platform().default_packing == "none"
+    assert load_config(p, ["policy.packing=varlen"], check_model=False).policy.packing == "varlen"
+    gpu = Platform("cuda", "nccl", torch.bfloat16, "triton", "cuda_ipc", "collective", False)
+    assert gpu.default_packing == "varlen"
