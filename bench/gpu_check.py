@@ -1,11 +1,12 @@
 """The project's one GPU check: train step + MFU, logprob kernel bandwidth, offload/onload, save after a handover,
-CUDA-IPC refit between two processes. One JSON file out; a CPU dry run of the same code paths is what CI runs.
+CUDA-IPC refit routed by device between processes, placement under Ray. One JSON file out; a CPU dry run of the same code paths is what CI runs.
 
     python bench/gpu_check.py --out gpu_check.json      # on a GPU machine ($OUT/gpu_check.json when $OUT is set)
     python bench/gpu_check.py --dry-run --out x.json    # CPU, tiny shapes, seconds (tests/unit/test_gpu_check.py)
     bash bench/gpu_check.sh                             # on the lent H200: installs the carried wheels, then runs
 
-Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, ipc_refit, save_after_handover.
+Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, ipc_refit, ray_placement,
+save_after_handover.
 A section's failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
 
 Preparing the lent machine (Python 3.12, torch/triton/safetensors/pyyaml/psutil/packaging/numpy preinstalled, no
@@ -24,8 +25,6 @@ import argparse
 import json
 import math
 import os
-import pickle
-import queue
 import shutil
 import statistics
 import sys
@@ -40,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # run order: the checkpoint round trip (the slowest, disk-bound) last, so a run near its time budget loses only it
-SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "save_after_handover")
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "ray_placement",
+            "save_after_handover")
 # Llama-3.2-1B's shape (1.24 B parameters, tied embeddings), random weights; max positions kept at the batch scale
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
@@ -302,48 +302,17 @@ class Check:
         return out
 
     def ipc_refit(self) -> dict:
-        """export -> make_sender(platform.refit_transport_colocated) -> a spawned process maps the buckets
-        (transport.open_buckets), copies them like an engine load and checksums them; GB/s vs a device copy."""
-        from megatron_rl.weights.transport import make_sender
+        """The whole model through the colocated transport to two receiver processes, routed by device; a third
+        refuses the update relabelled as another device's (`gpu_check_refit.py`)."""
+        from bench.gpu_check_refit import ipc_refit
 
-        w, plat = self._need_worker(), _plat()
-        buckets, export_s = _wall(lambda: list(w.export_weights(self.shapes["bucket_mb"] << 20)))
-        by_name = {n: t for b in buckets for n, t in b}
-        nbytes = sum(t.numel() * t.element_size() for t in by_name.values())
-        sums = {n: checksum(t) for n, t in by_name.items()}
-        # a few tensors compared whole on this side (small ones: they travel back pickled); checksums cover all
-        small = [n for n, t in by_name.items() if t.numel() <= 1 << 24]
-        samples = [small[0], small[len(small) // 2], small[-1]]
-        sender = make_sender(plat.refit_transport_colocated)
-        try:
-            handle, send_s = _wall(lambda: sender.send(buckets, version=1))
-            ctx = torch.multiprocessing.get_context("spawn")
-            q = ctx.Queue()
-            p = ctx.Process(target=_receiver, args=(handle.to_dict(), samples, q), daemon=True)
-            p.start()
-            try:
-                ok, payload = _result_of(p, q, timeout=300)
-            finally:
-                p.join(timeout=60)
-            if not ok:
-                raise RuntimeError(f"receiver failed:\n{payload}")
-            got = pickle.loads(payload)
-        finally:
-            sender.release()  # after the receiver has exited: its mappings of the buffers are gone
-            sender.close()
-        mismatched = [n for n in by_name if got["checksums"].get(n) != sums[n]]
-        samples_equal = all(torch.equal(by_name[n].cpu(), got["samples"][n]) for n in samples)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=plat.device())
-        copy_s = _time(lambda: torch.empty_like(flat).copy_(flat), reps=5)
-        refit_s = send_s + got["map_s"] + got["load_s"]
-        out = {"transport": plat.refit_transport_colocated, "buckets": len(buckets), "tensors": len(by_name),
-               "bytes": nbytes, "export_s": export_s, "send_s": send_s, "map_s": got["map_s"],
-               "load_s": got["load_s"], "refit_s": refit_s, "refit_gbs": nbytes / refit_s / 1e9, "copy_s": copy_s,
-               "copy_gbs": nbytes / copy_s / 1e9, "refit_vs_copy": copy_s / refit_s,
-               "checksums_match": not mismatched, "samples_equal": samples_equal, "receiver_pid": got["pid"]}
-        if mismatched or not samples_equal:
-            raise AssertionError(f"refit bytes differ: {mismatched[:5]} samples_equal={samples_equal}")
-        return out
+        return ipc_refit(self)
+
+    def ray_placement(self) -> dict:
+        """A policy rank and an engine per GPU under Ray with build()'s options; same UUID per bundle (`gpu_check_refit.py`)."""
+        from bench.gpu_check_refit import ray_placement
+
+        return ray_placement(self)
 
     def save_after_handover(self) -> dict:
         """worker.save() after the handover, a step that moves the weights, load, exact comparison."""
@@ -370,49 +339,6 @@ class Check:
         if not (moved and equal):
             raise AssertionError(f"save/load round trip failed: {out}")
         return out
-
-
-def _result_of(proc, q, timeout: float):
-    """The child's (ok, payload), or an error as soon as it dies without answering (a crash in CUDA, say)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return q.get(timeout=2)
-        except queue.Empty:
-            if not proc.is_alive():
-                return False, f"receiver exited with code {proc.exitcode} without a result"
-    return False, f"receiver gave no result in {timeout:.0f} s"
-
-
-def _receiver(handle_dict: dict, samples: list[str], q) -> None:
-    """Second process (the generator's side): open the buckets, copy them into fresh tensors as an engine's weight
-    load would, checksum what arrived. Results travel pickled (tensor data copied, no fd sharing)."""
-    try:
-        from megatron_rl.weights.manifest import RefitHandle
-        from megatron_rl.weights.transport import open_buckets
-
-        plat = _plat()
-        dev = plat.device(0)
-        if plat.is_gpu:
-            torch.cuda.set_device(dev)
-        handle = RefitHandle.from_dict(handle_dict)
-        dst = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=dev)
-               for b in handle.buckets for t in b.tensors}
-        plat.synchronize()
-        t0 = time.perf_counter()
-        buckets = open_buckets(handle, dev)
-        plat.synchronize()
-        t1 = time.perf_counter()
-        for name, view in (nv for b in buckets for nv in b):
-            dst[name].copy_(view, non_blocking=True)
-        plat.synchronize()
-        out = {"map_s": t1 - t0, "load_s": time.perf_counter() - t1, "pid": os.getpid(),
-               "checksums": {n: checksum(v) for b in buckets for n, v in b},
-               "samples": {n: dst[n].cpu().clone() for n in samples}}
-        del buckets, dst
-        q.put((True, pickle.dumps(out)))
-    except BaseException:
-        q.put((False, traceback.format_exc()))
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -482,8 +408,8 @@ def main(argv=None) -> int:
                    {"error": f"skipped: {t0 - t_start:.0f} s spent, budget {args.budget_s:.0f} s"})
             res["wall_s"] = time.perf_counter() - t0
             check.results[name] = res
-            print(f"[gpu_check] {name}: {'FAILED' if 'error' in res else 'ok'} ({res['wall_s']:.1f} s)",
-                  file=sys.stderr, flush=True)
+            status = "FAILED" if "error" in res else f"skipped ({res['skipped']})" if "skipped" in res else "ok"
+            print(f"[gpu_check] {name}: {status} ({res['wall_s']:.1f} s)", file=sys.stderr, flush=True)
             flush()
     finally:
         if args.work_dir is None:
@@ -491,6 +417,7 @@ def main(argv=None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     report["ok"] = all("error" not in r for r in check.results.values())
+    report["skipped"] = sorted(n for n, r in check.results.items() if "skipped" in r)  # not ok, not run either
     flush()
     print(json.dumps(report, indent=2, default=str))
     return 0 if report["ok"] else 1

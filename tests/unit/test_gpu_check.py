@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "save_after_handover")
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "ray_placement", "save_after_handover")
 
 
 def _numbers(obj, path=""):
@@ -79,8 +79,14 @@ def test_gpu_check_dry_run(tmp_path):
     assert off["state_after_offload"] == "offloaded" and off["state_after_onload"] == "resident"
     assert off["weights_intact"] is True
 
-    assert sections["ipc_refit"]["transport"] == "shared_memory"
-    assert sections["ipc_refit"]["checksums_match"] and sections["ipc_refit"]["samples_equal"]
+    ipc = sections["ipc_refit"]
+    assert ipc["transport"] == "shared_memory" and ipc["receivers"] == 2 and len(set(ipc["receiver_pids"])) == 2
+    assert ipc["checksums_match"] and ipc["samples_equal"]
+    assert ipc["foreign_device_refused"] and "handed to an engine worker on device" in ipc["foreign_refusal"]
+    ray = sections["ray_placement"]  # Ray is in the CPU environment: two logical GPUs, a policy + engine actor each
+    assert ray["device_key"] == "GPU" and ray["pairs_share_device"] and ray["bundles_distinct"]
+    assert len(ray["actors"]) == 4 and all(len(a["gpu_ids"]) == 1 for a in ray["actors"])
+    assert report["skipped"] == []
     save = sections["save_after_handover"]
     assert save["loaded_equals_saved"] and save["weights_moved_by_step"] and save["bytes"] > 0
 
