@@ -436,10 +436,13 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
 
     # ------------------------------------------------------------------------------------ colocated handover
     def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensors whose contents must survive an offload, tensors that may be discarded): DDP's parameter
-        buffers, the optimizer's own parameters and state; DDP's gradient buffers."""
+        """(tensors whose contents must survive an offload, tensors that may be discarded): the model's parameters,
+        the optimizer's own parameters and state; DDP's gradient buffers. With the distributed optimizer the
+        parameters are views into DDP's contiguous parameter buffers (listed first, so a buffer is moved whole and
+        its views add nothing); without it DDP keeps no parameter buffer (`param_data` None) and each parameter is a
+        tensor of its own."""
         buffers = self.model.buffers + self.model.expert_parallel_buffers
-        keep = [b.param_data for b in buffers if b.param_data is not None]
+        keep = [b.param_data for b in buffers if b.param_data is not None] + list(self.gpt.parameters())
         drop = [b.grad_data for b in buffers if b.grad_data is not None]
         for inner in torch_optimizers(self.optimizer):
             keep += [p for g in inner.param_groups for p in g["params"]]
