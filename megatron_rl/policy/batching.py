@@ -15,6 +15,10 @@ With varlen packing (`varlen_row`) the micro-batch is ONE packed row [1, t] in m
 (sequences or shared-prefix groups) back to back, each split into attention segments (`packing.unit_segments`)
 padded to megatron's multiple, described by `packed` (PackedSeqParams / CascadeSeqParams with cu_seqlens) instead
 of a mask; positions restart per sequence. The same `spans`, `flat` and `split_rows` read it.
+
+An empty planned micro-batch (no units: the padding that gives every DP rank the same micro-batch count,
+`policy/microbatch.py`) becomes a `filler_row`: a few pad tokens that predict nothing, run through the model only for
+the collectives they take part in.
 """
 from __future__ import annotations
 
@@ -39,6 +43,11 @@ class MicroBatchRows:
     spans: list[tuple[int, int]]  # per sequence: (row, first column) of its response-token predictions
     attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool, True = masked; None = plain causal
     packed: object = None  # PackedSeqParams of a varlen row (b = 1, THD); None for dense rows
+
+    @property
+    def filler(self) -> bool:
+        """No sequence: a `filler_row`, whose outputs are discarded and whose loss is zero."""
+        return not self.indices
 
 
 def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> None:
@@ -66,8 +75,25 @@ def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> Non
 
 def rows(batch: RolloutBatch, units: list[list[int]], *, varlen: bool, multiple: int = 1) -> MicroBatchRows:
     """The rows of one planned micro-batch (`packing.plan_microbatches`): one packed THD row, or one padded row per
-    unit."""
+    unit. No units: a `filler_row`."""
+    if not units:
+        return filler_row(varlen=varlen, multiple=multiple)
     return varlen_row(batch, units, multiple) if varlen else dense_rows(batch, units)
+
+
+def filler_row(*, varlen: bool, multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
+    """One row of `multiple` pad tokens (the shortest row megatron takes in this layout) with no response token:
+    every target -1 and no span, so nothing is gathered from it. A varlen filler is one causal THD segment."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    n = max(1, multiple)
+    row = lambda fill: torch.full((1, n), fill, dtype=torch.long)  # noqa: E731
+    packed = None
+    if varlen:
+        cu = torch.tensor([0, n], dtype=torch.int32)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    return MicroBatchRows([], row(pad_id), torch.arange(n, dtype=torch.long)[None], row(-1),
+                          torch.zeros((1, n), dtype=torch.bool), [], [], packed=packed)
 
 
 def dense(batch: RolloutBatch, indices: list[int], pad_id: int = 0) -> MicroBatchRows:
@@ -193,6 +219,8 @@ def response_window(mb: MicroBatchRows) -> tuple[int | torch.Tensor, MicroBatchR
 
     A packed row (one row of many sequences) instead selects exactly its response-predicting columns: the first
     value is then a LongTensor of those columns and the view's row holds only them."""
+    if mb.filler:  # nothing to narrow to: the whole (few-token) row
+        return 0, mb
     if mb.packed is not None:
         cols = mb.resp_mask[0].nonzero()[:, 0]
         offsets = itertools.accumulate([0] + mb.resp_lens[:-1])

@@ -15,6 +15,12 @@ Shared prefix (`policy.shared_prefix`): each GRPO group becomes one row, its pro
 (`policy/packing.py`); the model is patched to honour per-token positions and explicit masks
 (`policy/model_hooks.py`). Outputs and loss inputs are per sequence as in the unshared layout.
 
+Equal micro-batch counts: with experts at DP > 1 megatron's token dispatcher runs an all-to-all over the expert-
+parallel group (DP ranks) in every MoE layer of every micro-batch, so the short ranks' plans end with empty
+micro-batches (`policy/microbatch.py`) fed as a few pad tokens (`batching.filler_row`): forward and backward run the
+same collectives, the loss 0 * logits sends exact zero gradients, no tokens are counted, no outputs kept, no
+load-balancing loss attached (`grad_ops.with_aux_loss_coeff`). Dense models need none of it.
+
 Varlen packing (`policy.packing: varlen`): each micro-batch is one packed THD row (PackedSeqParams, no padding
 between sequences); with shared prefix a group's completions attend its prompt by cascade attention, no mask
 (`models/varlen_attention.py`).
@@ -34,7 +40,8 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, identity_collectives, packing
-from megatron_rl.policy.grad_ops import clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers, use_fused_torch_adam
+from megatron_rl.policy.grad_ops import (clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
+                                        use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
@@ -172,10 +179,12 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         batching.check_batch(batch, self.spec.vocab_size, self.spec.max_position_embeddings)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        # plan (which units form each micro-batch) -> rows (its tensors); the loss then gathers per token from them
+        # plan (which units form each micro-batch) -> rows (its tensors); the loss then gathers per token from them.
+        # Experts at DP > 1: equal micro-batch counts over DP ranks (module doc)
         plan = packing.plan_microbatches(batch, shared=self.shared_prefix, varlen=self.varlen,
                                          max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
-                                         dp_rank=self.dp_rank, multiple=self.segment_multiple)
+                                         dp_rank=self.dp_rank, multiple=self.segment_multiple,
+                                         equal_counts=self.dp_size > 1 and self.spec.moe is not None)
         return [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
 
     def _forward(self, model, mb: batching.MicroBatchRows):
@@ -218,6 +227,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             logits, mb = self._forward(model, next(data_iter))
 
             def loss_func(logits):
+                if mb.filler:
+                    return logits.sum() * 0.0, {}
                 lp, ent = self._token_stats(logits, mb.targets, temperature)
                 for i, l, e in zip(mb.indices, batching.split_rows(lp, mb), batching.split_rows(ent, mb)):
                     out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
@@ -258,11 +269,18 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         own_lp: dict[int, torch.Tensor] = {}
         adv = torch.tensor(batch.advantages, dtype=torch.float32)
 
+        aux_coeff = None
+        if self.cfg.moe_aux_loss_coef > 0:  # over the real micro-batches: fillers route no loss-bearing token
+            aux_coeff = moe_aux_loss_coeff(self.cfg.moe_aux_loss_coef, [mb for mb in mbs if not mb.filler], n_tokens)
+
         def step(data_iter, model):
             raw = next(data_iter)
-            logits, mb = self._forward(model, raw)
+            coeff = 0.0 if aux_coeff is not None and raw.filler else aux_coeff  # a filler: no load-balancing loss
+            logits, mb = with_aux_loss_coeff(self.gpt.config, coeff, lambda: self._forward(model, raw))
 
             def loss_func(logits):
+                if mb.filler:  # an exact zero gradient through the whole model, no token counted, no metrics
+                    return logits.sum() * 0.0, torch.zeros((), dtype=torch.int, device=logits.device), {}
                 lp, ent = self._token_stats(logits, mb.targets, temperature)
                 flat_lp = batching.flat(lp, mb)
                 for i, l in zip(mb.indices, batching.split_rows(lp.detach(), mb)):
@@ -289,8 +307,6 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
 
             return logits, loss_func
 
-        if self.cfg.moe_aux_loss_coef > 0:
-            self.gpt.config.moe_aux_loss_coeff = moe_aux_loss_coeff(self.cfg.moe_aux_loss_coef, mbs, n_tokens)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced_list = self._schedule(mbs, step, forward_only=False)
@@ -421,10 +437,13 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
 
     # ------------------------------------------------------------------------------------ colocated handover
     def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensors whose contents must survive an offload, tensors that may be discarded): DDP's parameter
-        buffers, the optimizer's own parameters and state; DDP's gradient buffers."""
+        """(tensors whose contents must survive an offload, tensors that may be discarded): the model's parameters,
+        the optimizer's own parameters and state; DDP's gradient buffers. With the distributed optimizer the
+        parameters are views into DDP's contiguous parameter buffers (listed first, so a buffer is moved whole and
+        its views add nothing); without it DDP keeps no parameter buffer (`param_data` None) and each parameter is a
+        tensor of its own."""
         buffers = self.model.buffers + self.model.expert_parallel_buffers
-        keep = [b.param_data for b in buffers if b.param_data is not None]
+        keep = [b.param_data for b in buffers if b.param_data is not None] + list(self.gpt.parameters())
         drop = [b.grad_data for b in buffers if b.grad_data is not None]
         for inner in torch_optimizers(self.optimizer):
             keep += [p for g in inner.param_groups for p in g["params"]]

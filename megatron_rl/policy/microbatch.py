@@ -10,6 +10,12 @@ their lengths), so with shared-prefix packing DP balancing and packing move whol
    With varlen packing (`packed=True`) a micro-batch is one packed row with no padding between units, so the
    cost of a bin is the sum of its lengths instead.
 3. Outputs are written back by the original indices, so callers see results in batch order.
+4. With `equal_counts` (a model with experts at DP > 1, `policy/megatron_worker.py`), ranks with fewer micro-batches
+   than the busiest one get empty ones appended: megatron's token dispatcher runs an all-to-all over the expert-
+   parallel group (data-parallel ranks) in every MoE layer of every micro-batch, so a rank that runs fewer leaves
+   the others waiting forever. Splitting bins instead cannot always even the counts (lengths [700, 400, 350] at a
+   700 budget need three micro-batches however they are dealt to two ranks); an empty one costs one tiny forward
+   and backward, runs the same collectives and contributes nothing (the worker feeds it a filler row).
 
 The update must not depend on this split: losses are normalised by global counts (see `policy/loss_api.py`), never
 by micro-batch or rank sizes.
@@ -70,7 +76,15 @@ def pack_microbatches(indices: list[int], lengths: list[int], max_tokens: int,
     return bins
 
 
-def plan(lengths: list[int], dp_size: int, dp_rank: int, max_tokens: int, packed: bool = False) -> list[MicroBatch]:
-    """The micro-batches of one DP rank. Every rank computes the same plan from the same lengths."""
+def plan(lengths: list[int], dp_size: int, dp_rank: int, max_tokens: int, packed: bool = False,
+         equal_counts: bool = False) -> list[MicroBatch]:
+    """The micro-batches of one DP rank. Every rank computes the same plan from the same lengths, so each also knows
+    the others' micro-batch counts without communicating; with `equal_counts` the plan ends with as many empty
+    micro-batches (no indices) as this rank is short of the busiest rank's count."""
     shards = balance_over_dp(lengths, dp_size)
-    return pack_microbatches(shards[dp_rank], lengths, max_tokens, packed)
+    if not equal_counts:
+        return pack_microbatches(shards[dp_rank], lengths, max_tokens, packed)
+    per_rank = [pack_microbatches(s, lengths, max_tokens, packed) for s in shards]
+    most = max(len(p) for p in per_rank)
+    own = per_rank[dp_rank]
+    return own + [MicroBatch(indices=[], max_len=0) for _ in range(most - len(own))]

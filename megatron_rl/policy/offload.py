@@ -1,7 +1,8 @@
 """Move a trainer's device state out to host memory and back (the colocated handover), on GPU and CPU alike.
 
-What moves: megatron DDP's contiguous parameter and gradient buffers (the model's parameters are views into them),
-the optimizer's own parameters where they are separate tensors (fp32 main weights under bf16, distributed-optimizer
+What moves: the model's parameters (views into megatron DDP's contiguous parameter buffer with the distributed
+optimizer; separate tensors without it, where DDP keeps only a gradient buffer), DDP's gradient buffers, the
+optimizer's own parameters where they are separate tensors (fp32 main weights under bf16, distributed-optimizer
 shards) and every optimizer state tensor (Adam moments). Each distinct storage is copied to a host buffer and then
 *released* (`untyped_storage().resize_(0)`): every tensor and view that uses it keeps its identity, shape and
 strides, so megatron's views, the optimizer's param groups and DDP's bucket pointers stay valid, and `restore`

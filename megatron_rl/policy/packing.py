@@ -153,11 +153,14 @@ def plan_units(batch: RolloutBatch, *, shared: bool, max_tokens: int, dp_size: i
 
 
 def plan_microbatches(batch: RolloutBatch, *, shared: bool, varlen: bool, max_tokens: int, dp_size: int,
-                      dp_rank: int, multiple: int = 1) -> list[list[list[int]]]:
+                      dp_rank: int, multiple: int = 1, equal_counts: bool = False) -> list[list[list[int]]]:
     """The plan of one training call on one DP rank: its micro-batches, each a list of units (a unit: the batch
     indices of one sequence, or of a group sharing its prompt). Dense rows cost rows x longest row, a varlen row
-    the sum of its units' padded lengths (`policy/microbatch.py`). Every rank computes the same plan."""
+    the sum of its units' padded lengths (`policy/microbatch.py`). Every rank computes the same plan. With
+    `equal_counts` every DP rank gets the same number of micro-batches, the short ones padded with empty ones (no
+    units, at the end)."""
     m = multiple if varlen else 0
     units = plan_units(batch, shared=shared, max_tokens=max_tokens, dp_size=dp_size, multiple=m)
     lengths = [unit_length(batch, u, m) for u in units]
-    return [[units[k] for k in mb.indices] for mb in plan(lengths, dp_size, dp_rank, max_tokens, packed=varlen)]
+    mbs = plan(lengths, dp_size, dp_rank, max_tokens, packed=varlen, equal_counts=equal_counts)
+    return [[units[k] for k in mb.indices] for mb in mbs]

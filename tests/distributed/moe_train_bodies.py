@@ -42,9 +42,11 @@ def switch_loss(router_logits: torch.Tensor, topk: int) -> torch.Tensor:
     return e * ((counts / (t * topk)) * probs.mean(0)).sum()
 
 
-def hf_reference(model_dir: str, batch: RolloutBatch, coef: float) -> tuple[float, dict]:
-    """(gradient norm, HF weights after one AdamW step) of coef x the micro-batches' (here: the sequences', of equal
-    length) mean Switch loss. The router sees each sequence's input positions: all tokens but the last."""
+def hf_reference(model_dir: str, batch: RolloutBatch, coef: float, temperature: float = 1.0):
+    """(response logprobs at `temperature`, policy loss, gradient norm, HF weights after one AdamW step) of
+    pg_loss + coef x the micro-batches' Switch losses weighted by their token share, with one sequence per
+    micro-batch (what the callers' budgets give). The router sees each sequence's input positions: all tokens but
+    the last, T_i of them."""
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.models.tiny import disk_state_dict
@@ -52,12 +54,20 @@ def hf_reference(model_dir: str, batch: RolloutBatch, coef: float) -> tuple[floa
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.train()
     k = model.config.num_experts_per_tok
-    for ids in batch.input_ids:
+    n_tokens, routed = batch.num_response_tokens(), sum(len(ids) - 1 for ids in batch.input_ids)
+    lps, loss_sum = [], 0.0
+    for ids, p, a in zip(batch.input_ids, batch.prompt_lens, batch.advantages):
         out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
-        (coef * sum(switch_loss(lg, k) for lg in out.router_logits) / len(batch)).backward()
+        lp = torch.log_softmax(out.logits[0].float() / temperature, -1).gather(-1, torch.tensor(ids[1:])[:, None])
+        lp = lp[p - 1:, 0]
+        lps.append(lp.detach())
+        pg = -(a * torch.exp(lp - lp.detach())).sum() / n_tokens
+        aux = coef * (len(ids) - 1) / routed * sum(switch_loss(lg, k) for lg in out.router_logits)
+        (pg + aux).backward()
+        loss_sum += float(pg)
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0).step()
-    return norm, disk_state_dict(model)  # per-expert tensors under their on-disk names, as megatron exports them
+    return lps, loss_sum, norm, disk_state_dict(model)  # per-expert tensors under their on-disk names, as exported
 
 
 def aux_loss_step(rank: int, world_size: int, model_dir: str, coef: float):
@@ -78,6 +88,67 @@ def aux_loss_step(rank: int, world_size: int, model_dir: str, coef: float):
     norm = [o for o in _gather_obj(w.train(batch, pg_loss)) if o][0]["metrics"]["grad_norm"]
     after = _gather_obj(w.hf_state_dict())
     if rank == 0:
-        return {"got": (norm, {k: v for d in after if d for k, v in d.items()}),
-                "ref": hf_reference(model_dir, batch, coef)}
+        _, _, ref_norm, ref_state = hf_reference(model_dir, batch, coef)
+        return {"got": (norm, {k: v for d in after if d for k, v in d.items()}), "ref": (ref_norm, ref_state)}
     return None
+
+
+# The issue's lengths [700, 400, 350] at a 700-token budget, scaled down: rows of 14, 8 and 7 input tokens at a
+# budget of 14. Balanced over DP=2, rank 0 gets the 14 (one micro-batch), rank 1 the 8 and the 7, which do not fit
+# one padded micro-batch (2 x 8 > 14): two. Every MoE layer of every micro-batch runs an all-to-all over the EP
+# group (= the two DP ranks), so the ranks must run the same number of micro-batches.
+UNEVEN_LENS, UNEVEN_PROMPTS, UNEVEN_ADV, UNEVEN_BUDGET = (15, 9, 8), (4, 3, 2), (0.7, -1.1, 0.4), 14
+TEMP = 0.7
+
+
+def uneven_batch(vocab: int, seed: int = 5) -> RolloutBatch:
+    rng = random.Random(seed)
+    return RolloutBatch(input_ids=[[rng.randrange(vocab) for _ in range(n)] for n in UNEVEN_LENS],
+                        prompt_lens=list(UNEVEN_PROMPTS), advantages=list(UNEVEN_ADV))
+
+
+def uneven_microbatches(rank: int, world_size: int, model_dir: str, coef: float):
+    """Logprobs, one training step (policy loss and the router's load-balancing loss) and reference logprobs at EP=2
+    on `uneven_batch`, whose plan gives the DP ranks 1 and 2 micro-batches, with padded rows and with varlen rows
+    (each its own filler layout). On rank 0: {"none" / "varlen": the worker's results, "ref": `hf_reference`'s,
+    which knows nothing of micro-batches or padding}."""
+    import json
+
+    from megatron_rl.policy import packing
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+    from tests.distributed.policy_bodies import _merge
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = uneven_batch(vocab)
+    res = {}
+    for mode in ("none", "varlen"):
+        cfg = PolicyConfig(model=model_dir, ep=2, precision="fp32", moe_aux_loss_coef=coef, shared_prefix=False,
+                           packing=mode, max_tokens_per_microbatch=UNEVEN_BUDGET,
+                           optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS))
+        w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
+        w.setup()
+        # the case of the issue: the token-budget plan alone gives the two ranks different micro-batch counts
+        # (varlen's cost 8 + 7 > 14 too), each micro-batch one sequence (the weighting hf_reference assumes)
+        own = [packing.plan_microbatches(batch, shared=False, varlen=w.varlen, max_tokens=UNEVEN_BUDGET, dp_size=2,
+                                         dp_rank=r) for r in range(2)]
+        assert w.varlen == (mode == "varlen"), mode
+        assert [len(p) for p in own] == [1, 2] and all(len(u) == 1 for p in own for mb in p for u in mb), own
+        lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
+        out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
+        after = _gather_obj(w.hf_state_dict())
+        ref_lp = _merge(_gather_obj(w.reference_logprobs(batch, temperature=TEMP)))
+        res[mode] = {"logprobs": [lp[i] for i in range(len(batch))],
+                     "ref_logprobs": [ref_lp[i] for i in range(len(batch))],
+                     "train_logprobs": _merge([o["logprobs"] for o in out]), "metrics": out[0]["metrics"],
+                     "after": {k: v for d in after if d for k, v in d.items()}}
+    if rank != 0:
+        return None
+    lps, loss, norm, state = hf_reference(model_dir, batch, coef, temperature=TEMP)
+    return {**res, "ref": {"logprobs": lps, "loss": loss, "grad_norm": norm, "after": state}}
+
+
+def ep2_suite(rank: int, world_size: int, model_dir: str, coef: float):
+    """One launch (process start-up and imports cost ~10 s) for test_moe_train.py's EP=2 checks."""
+    return {"aux_loss": aux_loss_step(rank, world_size, model_dir, coef),
+            "uneven": uneven_microbatches(rank, world_size, model_dir, coef)}
+

@@ -228,3 +228,61 @@ def zero_advantage_part_same_update(rank: int, world_size: int, model_dir: str):
             out[(variant, fed)] = {"metrics": [r for r in res if r][0]["metrics"], "after": w.hf_state_dict(),
                                    "before": before, "num_fed": len(part)}
     return out
+
+
+def _storages(tensors) -> dict[int, int]:
+    """{storage address: allocated bytes} of the distinct, non-released storages under `tensors`."""
+    out = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def offload_without_distributed_optimizer(rank: int, world_size: int, model_dir: str):
+    """bf16 at DP=2 with policy.optimizer.distributed false (DDP then keeps no parameter buffer: every bf16 weight is
+    a tensor of its own). One step (so Adam has state), offload, onload, a second step; beside a worker that never
+    offloads. Returns this rank's measurements: the trainer's tensors enumerated here (model weights, fp32 main
+    weights, Adam state, gradients through each weight's main_grad) and their storages, before and after."""
+    import json
+
+    from megatron_rl.policy.grad_ops import torch_optimizers
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    b1, b2 = make_batch(vocab, seed=6), make_batch(vocab, seed=7)
+    res = {}
+    for name in ("never_offloaded", "offloaded"):
+        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, distributed=False, precision="bf16"))
+        w.setup()
+        w.train(b1, pg_loss, temperature=TEMP)
+        if name == "offloaded":
+            weights = list(w.gpt.parameters())
+            inner = torch_optimizers(w.optimizer)
+            main = [p for o in inner for g in o.param_groups for p in g["params"]]
+            adam = [v for o in inner for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
+            grads = [p.main_grad for p in weights]
+            snap = [t.detach().clone() for t in weights + main + adam]
+            kept = _storages(weights + main + adam)
+            r = {"dtypes": sorted({str(p.dtype) for p in weights}),
+                 "fp32_main": all(p.dtype == torch.float32 for p in main),
+                 "distinct": len(_storages(weights)) == len(weights), "n_adam": len(adam),
+                 "resident": sum(_storages(weights + main + adam + grads).values()), "kept": sum(kept.values()),
+                 "report_before": w.memory_report()}
+            r["report_offloaded"] = w.offload()
+            r["still_allocated"] = [i for i, t in enumerate(weights + main + adam + grads)
+                                    if t.untyped_storage().nbytes()]
+            r["report_onloaded"] = w.onload()
+            r["changed"] = [i for i, (t, s) in enumerate(zip(weights + main + adam, snap)) if not torch.equal(t, s)]
+            res["checks"] = r
+        out = w.train(b2, pg_loss, temperature=TEMP)
+        res[name] = {"metrics": out and out["metrics"],
+                     "after": {n: p.detach().clone() for n, p in w.gpt.named_parameters()}}
+    return res
+
+
+def bf16_suite(rank: int, world_size: int, model_dir: str):
+    """One launch for the bf16 checks of test_policy.py."""
+    return {**bf16_layouts_near_reference(rank, world_size, model_dir),
+            "offload_plain_opt": offload_without_distributed_optimizer(rank, world_size, model_dir)}

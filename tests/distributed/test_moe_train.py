@@ -1,8 +1,13 @@
-"""The policy worker trains a tiny Qwen3-MoE at EP=2 on gloo with the router's load-balancing loss
-(policy.moe_aux_loss_coef): with zero advantages (no policy-loss gradient) one step moves the weights exactly as one
-torch AdamW step on the Switch loss recomputed from HF's router logits (moe_train_bodies.py). Were the key ignored,
-nothing would move. Slow (15-18 s): the default suite's MoE budget goes to test_moe_grpo.py, whose CLI run has the
-loss on too."""
+"""The policy worker trains a tiny Qwen3-MoE at EP=2 on gloo (moe_train_bodies.py, one launch for both checks):
+
+- with the router's load-balancing loss (policy.moe_aux_loss_coef) and zero advantages (no policy-loss gradient), one
+  step moves the weights exactly as one torch AdamW step on the Switch loss recomputed from HF's router logits. Were
+  the key ignored, nothing would move;
+- a batch whose token-budget plan gives the two DP ranks 1 and 2 micro-batches (the EP group's all-to-all in every
+  MoE layer of every micro-batch then waited forever on the rank with more) runs logprobs, a step and reference
+  logprobs to completion, each equal to HF's: the padding that evens the counts changes neither the outputs nor the
+  update, also with the load-balancing loss on. A hang fails the launch at its timeout.
+"""
 import pytest
 import torch
 
@@ -11,11 +16,22 @@ from megatron_rl.models.hf_io import HFCheckpoint
 from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed import moe_train_bodies
 
+COEF = 0.1
+TIMEOUT = 300  # the launch takes ~20 s on 2 cores; a hang (the defect) must fail, not block the suite
 
-@pytest.mark.slow
-def test_aux_loss_step_equals_switch_loss_reference(tmp_path):
-    model_dir = str(write_tiny_hf_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=2))
-    res = run_distributed(moe_train_bodies.aux_loss_step, 2, args=(model_dir, 0.1), timeout=600)[0]
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_hf_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", seed=2))
+
+
+@pytest.fixture(scope="module")
+def results(model_dir):
+    return run_distributed(moe_train_bodies.ep2_suite, 2, args=(model_dir, COEF), timeout=TIMEOUT)[0]
+
+
+def test_aux_loss_step_equals_switch_loss_reference(results, model_dir):
+    res = results["aux_loss"]
     init, (ref_norm, ref), (norm, got) = dict(HFCheckpoint(model_dir).items()), res["ref"], res["got"]
     assert norm == pytest.approx(ref_norm, rel=1e-5)  # the loss's scale (Adam's first step hides most of it)
     assert norm > 1.0  # both sides clip: the comparison covers clipping the dense + expert optimizer chain
@@ -24,3 +40,19 @@ def test_aux_loss_step_equals_switch_loss_reference(tmp_path):
     assert set(got) == set(ref)
     for k, v in got.items():
         torch.testing.assert_close(v, ref[k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")
+
+
+@pytest.mark.parametrize("packing", ["none", "varlen"])
+def test_uneven_microbatch_counts_over_ep_ranks_run_and_equal_hf(results, packing):
+    got, ref = results["uneven"][packing], results["uneven"]["ref"]
+    for name in ("logprobs", "ref_logprobs"):  # reference logprobs: the initial weights, which HF's are
+        for i, want in enumerate(ref["logprobs"]):
+            torch.testing.assert_close(got[name][i], want, atol=1e-5, rtol=0, msg=lambda s: f"{name}[{i}]: {s}")
+    for i, want in enumerate(ref["logprobs"]):
+        torch.testing.assert_close(got["train_logprobs"][i], want, atol=1e-5, rtol=0)
+    m = got["metrics"]
+    assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert set(got["after"]) == set(ref["after"])
+    for k, v in got["after"].items():
+        torch.testing.assert_close(v, ref["after"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")

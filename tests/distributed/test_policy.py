@@ -74,7 +74,7 @@ def test_onpolicy_reuse_gives_the_same_update_as_an_explicit_logprob_pass(model_
 
 @pytest.fixture(scope="module")
 def bf16_results(model_dir):
-    return run_distributed(policy_bodies.bf16_layouts_near_reference, 2, args=(model_dir,), timeout=900)[0]
+    return run_distributed(policy_bodies.bf16_suite, 2, args=(model_dir,), timeout=900)
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
@@ -82,7 +82,7 @@ def test_bf16_training_matches_fp32_reference_within_bf16_tolerance(bf16_results
     """bf16 compute with fp32 main weights, grads and Adam, against the fp32 HF + AdamW reference. bf16 keeps 8
     significant bits: logits of this model (|z| ~ 1-5) carry ~1e-2 of rounding each, so logprobs and the loss agree
     to a few 1e-2; the step itself must move every matrix the way the fp32 step does."""
-    r = bf16_results
+    r = bf16_results[0]
     lp_err = torch.cat([(g.float() - w).abs() for g, w in zip(r[layout]["logprobs"], r["ref_lps"])])
     assert lp_err.max() < 0.1 and lp_err.mean() < 0.02, (lp_err.max(), lp_err.mean())
     m = r[layout]["metrics"]
@@ -122,3 +122,26 @@ def test_leaving_zero_advantage_sequences_out_gives_the_same_update(model_dir):
         assert zero["num_fed"] == 2 and zero["metrics"]["grad_norm"] == 0.0
         for k in zero["after"]:
             assert torch.equal(zero["after"][k], zero["before"][k]), k
+
+
+def test_offload_without_distributed_optimizer_releases_every_weight(bf16_results):
+    """policy.optimizer.distributed false: DDP keeps no parameter buffer, so each bf16 weight is its own tensor. The
+    offload must release those too (it used to leave them on the device while memory_report said 0), the report
+    must count what the tensors really hold, and the round trip must give back the same state: bitwise, and the
+    next step exactly the one of a worker that never offloaded."""
+    for rank, res in enumerate(bf16_results):
+        r = res["offload_plain_opt"]["checks"]
+        # the layout the issue is about: bf16 weights, each with its own storage, fp32 main weights, Adam state
+        assert r["dtypes"] == ["torch.bfloat16"] and r["distinct"] and r["fp32_main"] and r["n_adam"] > 0, r
+        before, off, on = r["report_before"], r["report_offloaded"], r["report_onloaded"]
+        assert before["device_bytes"] == r["resident"] and before["host_bytes"] == 0, (rank, before, r["resident"])
+        assert r["still_allocated"] == [], rank  # every weight, main weight, Adam tensor and gradient released
+        assert off["device_bytes"] == 0 and off["host_bytes"] == r["kept"], (rank, off, r["kept"])
+        assert on["device_bytes"] == r["resident"], (rank, on)
+        assert r["changed"] == [], rank  # weights, main weights and Adam state bitwise as before
+        a, b = res["offload_plain_opt"]["offloaded"], res["offload_plain_opt"]["never_offloaded"]
+        if a["metrics"] is not None:
+            assert a["metrics"] == b["metrics"], rank
+        assert set(a["after"]) == set(b["after"])
+        for k in a["after"]:
+            assert torch.equal(a["after"][k], b["after"][k]), (rank, k)
