@@ -5,8 +5,8 @@ CUDA-IPC refit routed by device between processes, placement under Ray. One JSON
     python bench/gpu_check.py --dry-run --out x.json    # CPU, tiny shapes, seconds (tests/unit/test_gpu_check.py)
     bash bench/gpu_check.sh                             # on the lent H200: installs the carried wheels, then runs
 
-Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, ipc_refit, ray_placement,
-save_after_handover.
+Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, handover_memory, ipc_refit,
+ray_placement, save_after_handover.
 A section's failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
 
 Preparing the lent machine (Python 3.12, torch/triton/safetensors/pyyaml/psutil/packaging/numpy preinstalled, no
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # run order: the checkpoint round trip (the slowest, disk-bound) last, so a run near its time budget loses only it
-SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "ray_placement",
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "handover_memory", "ipc_refit", "ray_placement",
             "save_after_handover")
 # Llama-3.2-1B's shape (1.24 B parameters, tied embeddings), random weights; max positions kept at the batch scale
 LLAMA_1B = {
@@ -307,6 +307,12 @@ class Check:
         from bench.gpu_check_refit import ipc_refit
 
         return ipc_refit(self)
+
+    def handover_memory(self) -> dict:
+        """Device bytes at each phase of the trainer's colocated handover, the refit peak bounded (`gpu_check_refit.py`)."""
+        from bench.gpu_check_refit import handover_memory
+
+        return handover_memory(self)
 
     def ray_placement(self) -> dict:
         """A policy rank and an engine per GPU under Ray with build()'s options; same UUID per bundle (`gpu_check_refit.py`)."""

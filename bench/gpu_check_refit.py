@@ -192,3 +192,47 @@ def ray_placement(check) -> dict:
     if placement.device_key != "GPU" or not (same and distinct):
         raise AssertionError(f"placement wrong: {out}")
     return out
+
+
+def handover_memory(check) -> dict:
+    """The trainer's side of the colocated handover's memory plan, measured on the train section's worker: device
+    bytes (torch's allocator on GPU; the trainer's storages on CPU) after a step, with only the weights left for the
+    refit, while the transport holds the whole model (the refit's peak, the engine's weights not included: vLLM
+    cannot run here), after the refit's buffers are released, and offloaded. Checks the order's promise: the refit
+    peak is at most the weights plus one copy of them, far below the training state."""
+    from bench.gpu_check import _plat
+    from megatron_rl.weights.transport import make_sender
+
+    w, plat = check._need_worker(), _plat()
+
+    def used() -> int:
+        if plat.is_gpu:
+            plat.synchronize()
+            return torch.cuda.memory_allocated()
+        return w.memory_report()["device_bytes"]
+
+    check._step()
+    phases = {"train": used()}
+    weights = w.memory_report()["weight_bytes"]
+    w.offload_train_state()
+    phases["refit_weights_only"] = used()
+    sender = make_sender(plat.refit_transport_colocated)
+    try:
+        handle = sender.send(w.export_weights(check.shapes["bucket_mb"] << 20), version=1)
+        # CPU: the shared-memory arena is host memory outside the trainer's storages; counted from the handle
+        phases["refit_peak"] = used() + (0 if plat.is_gpu else handle.nbytes)
+    finally:
+        sender.release()
+        sender.close()
+    plat.release_cached_memory()
+    phases["refit_released"] = used()
+    w.offload()
+    phases["offloaded"] = used()
+    w.onload()
+    out = {"phases_bytes": phases, "weight_bytes": weights, "refit_buffer_bytes": handle.nbytes,
+           "refit_peak_over_weights": phases["refit_peak"] / weights, "train_over_weights": phases["train"] / weights}
+    # the peak: the weights and one exported copy (allocator slack on GPU), and the training state never with them
+    if not (phases["refit_peak"] <= 2.2 * weights and phases["refit_weights_only"] <= 1.1 * weights
+            and phases["train"] > phases["refit_weights_only"] and phases["offloaded"] <= 0.01 * weights):
+        raise AssertionError(f"handover memory out of plan: {out}")
+    return out

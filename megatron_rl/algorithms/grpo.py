@@ -177,9 +177,9 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     gen_lps, train_lps = ((batch.gen_logprobs, batch.old_logprobs) if batch.old_logprobs is not None
                           else (parts[0].gen_logprobs, results[0].logprobs))
     rec["time_wait_rollout_s"] = before_refit() if before_refit is not None else 0.0
-    refit_s = c.handover.refit()
-    if checkpoint is not None:
+    if checkpoint is not None:  # before the refit, which leaves only the weights resident (policy/residency.py)
         checkpoint()
+    refit_s = c.handover.refit()
     mask = torch.ones(sum(len(x) for x in gen_lps))
     mm = mismatch_metrics(torch.cat(gen_lps), torch.cat([t.float() for t in train_lps]), mask)
     m = _merge_minibatch_metrics([rescale_metrics(r.metrics, p) for r, p in zip(results, parts)])

@@ -2,8 +2,13 @@
 
     start:          trainer offloaded, engine awake   (vLLM sizes its KV cache from the free memory at start-up)
     to_trainer():   engine sleeps (KV cache and weights released) -> trainer onloads
-    refit():        engine wakes its weights -> trainer streams the next version -> transport buffers released
-    to_generator(): trainer offloads -> engine wakes its KV cache
+    refit():        trainer offloads its gradients and optimizer state -> engine wakes its weights -> trainer
+                    streams the next version -> transport buffers released
+    to_generator(): trainer offloads its weights -> engine wakes its KV cache
+
+The refit is the device's peak: the trainer's weights, the engine's weights and the transport's copy of the model
+(CUDA IPC) are resident together, and nothing else (policy/residency.py). Every colocated step records what was
+resident at each phase (`memory_plan`, the highest seen); the first prints it (docs: the memory plan).
 
 The engine sleeps at `generation.sleep_level` (default 2: its weights are discarded, not copied to host and back,
 since the refit rewrites every one of them). A step that trains nothing skips its refit; under level 2 the engine's
@@ -43,6 +48,7 @@ class Handover:
         # is generated with `version` or refused (StaleWeightsError), so it is never off-policy by accident.
         self.version = 0
         self.senders: list[int] | None = None  # colocated: the policy ranks that export a refit (`connect`)
+        self.memory_plan: dict[str, dict] = {}  # colocated: peak bytes per device at each phase (`_record`)
 
     def _timed(self, fn) -> None:
         t0 = time.perf_counter()
@@ -101,6 +107,24 @@ class Handover:
                 self.generator.wake_up()
             self._timed(move)
             self.trainer_holds_device = False
+            if "refit" in self.memory_plan:
+                first = "generate" not in self.memory_plan
+                engines = max(1, len(getattr(self.generator, "engines", [None])))
+                self._record("generate", self.policy.memory_report(),
+                             engine_kv_bytes=self.generator.kv_cache_bytes() // engines)
+                if first:
+                    print(f"[megatron-rl] {describe_memory_plan(self.memory_plan)}", flush=True)
+
+    def _record(self, phase: str, reports: list[dict], **extra) -> None:
+        """Device memory at `phase`, per device (the fullest rank's), the highest seen so far: Adam's state appears
+        with the first optimizer step, so a refit before any training (a resume) shows less than the run needs."""
+        row = {"trainer_bytes": max(r["device_bytes"] for r in reports),
+               "trainer_weight_bytes": max(r.get("weight_bytes", 0) for r in reports), **extra}
+        if any("device_used_bytes" in r for r in reports):  # GPU: everything on the device, the engine's included
+            row["device_used_bytes"] = max(r["device_used_bytes"] for r in reports)
+        seen = self.memory_plan.setdefault(phase, {})
+        for k, v in row.items():
+            seen[k] = max(seen.get(k, 0), v)
 
     def refit(self) -> float:
         """Stream the trainer's weights into the engine as the next version; the trainer must hold the device.
@@ -109,11 +133,15 @@ class Handover:
             raise LifecycleError("refit needs the trainer's weights resident: to_trainer() first")
         t0 = time.perf_counter()
         if self.colocated:
+            self._record("train", self.policy.memory_report())
+            self.policy.offload_train_state()
             self.generator.wake_up(["weights"])
         handle = self.policy.send_weights(self.version + 1, self.transport, self.bucket_bytes,
                                           self.senders if self.colocated else None)
         try:
             if self.colocated:
+                per_device = max(h.nbytes for h in handle.handles()) if hasattr(handle, "handles") else handle.nbytes
+                self._record("refit", self.policy.memory_report(), refit_buffer_bytes=per_device)
                 self.generator.receive_weights(handle.to_dict())
             else:  # the exporters broadcast while the engines receive (each side blocks until the other is done)
                 with ThreadPoolExecutor(1) as pool:
@@ -126,3 +154,23 @@ class Handover:
         self.version += 1
         self._engine_has_weights = True
         return time.perf_counter() - t0
+
+
+def describe_memory_plan(plan: dict[str, dict]) -> str:
+    """One line: what each phase of the colocated handover held per device (trainer, refit buffer, KV cache; on
+    GPU the device's total use, which includes the engine's weights and the CUDA contexts)."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    parts = []
+    for phase in ("train", "refit", "generate"):
+        r = plan.get(phase)
+        if r is None:
+            continue
+        held = f"trainer {gib(r['trainer_bytes'])}"
+        if "refit_buffer_bytes" in r:
+            held += f" + refit buffer {gib(r['refit_buffer_bytes'])} + the engine's weights"
+        if "engine_kv_bytes" in r:
+            held += f" + KV cache {gib(r['engine_kv_bytes'])} + the engine's weights"
+        if "device_used_bytes" in r:
+            held += f" (device in use: {gib(r['device_used_bytes'])})"
+        parts.append(f"{phase}: {held}")
+    return "colocated memory per device: " + "; ".join(parts)

@@ -92,6 +92,10 @@ class PolicyGroup:
         """Every rank's trainer state to host memory (colocated handover); returns each rank's memory report."""
         return self.group.call("offload")
 
+    def offload_train_state(self) -> list[dict]:
+        """Gradients and optimizer state to host memory, weights kept (before a colocated refit)."""
+        return self.group.call("offload_train_state")
+
     def onload(self) -> list[dict]:
         return self.group.call("onload")
 

@@ -37,14 +37,13 @@ import torch.distributed as dist
 from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
-from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
 from megatron_rl.policy import batching, identity_collectives, packing
 from megatron_rl.policy.grad_ops import (clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
                                         use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.loss_api import LossInputs
-from megatron_rl.policy.offload import DeviceStateOffloader, resident_bytes
+from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.weights_out import WeightsOut
 
 
@@ -56,7 +55,7 @@ _OPT_CKPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 
-class MegatronPolicyWorker(WeightsOut, RankWorker):
+class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
     def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
                  env: dict | None = None, policy_cfg: PolicyConfig | None = None, max_steps: int = 1):
         super().__init__(rank, world_size, log_path, threads, env)
@@ -64,10 +63,8 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
         self.max_steps = max_steps
         self.step = 0
         self.consumed_samples = 0
-        # colocated handover: "resident" (device state in place) or "offloaded" (in host memory, device storage
-        # released); everything that reads weights or optimizer state requires "resident"
-        self.lifecycle_state = RESIDENT
-        self._offloader = DeviceStateOffloader()
+        # colocated handover (policy/residency.py): what reads weights or optimizer state requires it resident
+        self._init_residency()
 
     # ------------------------------------------------------------------------------------------------- set-up
     def setup(self) -> dict:
@@ -434,52 +431,6 @@ class MegatronPolicyWorker(WeightsOut, RankWorker):
             for st in inner.state.values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = torch.full_like(st["step"], saved) if saved is not None else st["step"].clone()
-
-    # ------------------------------------------------------------------------------------ colocated handover
-    def _device_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensors whose contents must survive an offload, tensors that may be discarded): the model's parameters,
-        the optimizer's own parameters and state; DDP's gradient buffers. With the distributed optimizer the
-        parameters are views into DDP's contiguous parameter buffers (listed first, so a buffer is moved whole and
-        its views add nothing); without it DDP keeps no parameter buffer (`param_data` None) and each parameter is a
-        tensor of its own."""
-        buffers = self.model.buffers + self.model.expert_parallel_buffers
-        keep = [b.param_data for b in buffers if b.param_data is not None] + list(self.gpt.parameters())
-        drop = [b.grad_data for b in buffers if b.grad_data is not None]
-        for inner in torch_optimizers(self.optimizer):
-            keep += [p for g in inner.param_groups for p in g["params"]]
-            keep += [v for st in inner.state.values() for v in st.values() if torch.is_tensor(v)]
-        return keep, drop
-
-    def offload(self) -> dict:
-        """Give the device to the colocated generator: weights, optimizer state and gradients leave device memory
-        (host copies kept, see policy/offload.py). The same steps on CPU, where the released storage makes any
-        use of offloaded state fail loudly. Idempotent."""
-        if self.lifecycle_state == RESIDENT:
-            self._offloader.offload(*self._device_state())
-            self.lifecycle_state = OFFLOADED
-        return self.memory_report()
-
-    def onload(self) -> dict:
-        if self.lifecycle_state == OFFLOADED:
-            self._offloader.restore()
-            self.lifecycle_state = RESIDENT
-        return self.memory_report()
-
-    def memory_report(self) -> dict:
-        """Bytes of trainer state in device storage and in host copies (CPU: the "device" is host memory too, but
-        the accounting is the same); on GPU also what torch's allocator holds on this device."""
-        keep, drop = self._device_state()
-        out = {"state": self.lifecycle_state, "device_bytes": resident_bytes(keep + drop),
-               "host_bytes": self._offloader.host_bytes()}
-        if get_platform().is_gpu:
-            out["allocated_bytes"] = torch.cuda.memory_allocated()
-        return out
-
-    def _require_resident(self, what: str) -> None:
-        if self.lifecycle_state != RESIDENT:
-            raise LifecycleError(f"cannot {what} while the trainer state is "
-                                 f"{self.lifecycle_state} (the colocated handover gave the device to the generator; "
-                                 "onload() first)")
 
 
 def _saved_adam_step(loaded) -> float | None:

@@ -32,7 +32,7 @@ class WeightsOut:
         """HF-named full tensors of this rank's pipeline stage, in buckets (collective over the TP group)."""
         from megatron_rl.models.mapping import iter_hf_tensors
 
-        self._require_resident("export weights")
+        self._require_resident("export weights", weights_enough=True)
         bucket, size = [], 0
         # tensors stay on the device: the transport decides where bytes go (CUDA IPC shares device buffers, shared
         # memory copies to host); a host round trip here would cost two copies of the model per refit on GPU

@@ -21,7 +21,8 @@ from megatron_rl.algorithms.grpo import _save, train_step
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.config import load_config
 from megatron_rl.distributed.worker_group import WorkerDiedError
-from megatron_rl.lifecycle import ASLEEP, AWAKE, OFFLOADED, RESIDENT, WEIGHTS_ONLY, LifecycleError
+from megatron_rl.lifecycle import (ASLEEP, AWAKE, OFFLOADED, RESIDENT, WEIGHTS_ONLY, WEIGHTS_RESIDENT,
+                                   LifecycleError)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
@@ -146,6 +147,33 @@ def test_checkpoint_inside_the_step_holds_the_trained_weights(parts):
     c.handover.to_generator()
     for k, v in after_step.items():
         assert (loaded[k] == v).all(), k
+
+
+def test_the_refit_holds_only_weights_and_the_plan_says_so(parts):
+    """The refit is the device's peak, so the trainer keeps only its weights through it: gradients (fp32) and Adam
+    state leave first. The first colocated step's memory plan records each phase; a save between the two offloads
+    is refused (the optimizer state is not there to save)."""
+    cfg, c, out = parts
+    plan = c.handover.memory_plan
+    assert set(plan) == {"train", "refit", "generate"}, plan
+    train, refit, gen = plan["train"], plan["refit"], plan["generate"]
+    weights = train["trainer_weight_bytes"]
+    # fp32 here, after two training steps: weights, gradients (1x) and Adam (2x, sharded over DP = 2 by the
+    # distributed optimizer, else whole) while training; only the weights at the refit
+    assert train["trainer_bytes"] >= 2.9 * weights and refit["trainer_bytes"] == weights > 0, plan
+    # the whole model once per engine device (megatron pads its parameter buffer a little: hence 0.99)
+    assert refit["refit_buffer_bytes"] >= 0.99 * weights
+    assert gen["trainer_bytes"] == 0 and gen["engine_kv_bytes"] > 0, plan
+    c.handover.to_trainer()
+    c.policy.offload_train_state()
+    try:
+        assert {r["state"] for r in c.policy.memory_report()} == {WEIGHTS_RESIDENT}
+        with pytest.raises(LifecycleError, match="while the trainer state is weights_resident"):
+            c.policy.save(str(out / "half_ckpt"))
+        assert all(part for part in c.policy.group.call("hf_state_dict")[:1])  # the export reads the weights
+    finally:
+        c.handover.refit()
+        c.handover.to_generator()
 
 
 def test_step_without_trainable_groups_is_skipped_not_fatal(parts):

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "ipc_refit", "ray_placement", "save_after_handover")
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "handover_memory", "ipc_refit", "ray_placement",
+            "save_after_handover")
 
 
 def _numbers(obj, path=""):
@@ -79,6 +80,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert off["state_after_offload"] == "offloaded" and off["state_after_onload"] == "resident"
     assert off["weights_intact"] is True
 
+    hm = sections["handover_memory"]  # the trainer keeps only its weights through the refit
+    ph, wb = hm["phases_bytes"], hm["weight_bytes"]
+    assert ph["refit_weights_only"] == wb and ph["train"] > 2 * wb and ph["offloaded"] == 0
+    assert wb < ph["refit_peak"] <= 2.2 * wb
     ipc = sections["ipc_refit"]
     assert ipc["transport"] == "shared_memory" and ipc["receivers"] == 2 and len(set(ipc["receiver_pids"])) == 2
     assert ipc["checksums_match"] and ipc["samples_equal"]
