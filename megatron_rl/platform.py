@@ -350,6 +350,16 @@ def install_megatron_cpu_compat() -> None:
             return forward(ctx, *args, **kwargs)
 
     mappings._AllToAll.forward = staticmethod(_all_to_all_on_cpu)
+    # Activation recompute: megatron's CheckpointFunction re-runs the layers' forward inside autograd's backward,
+    # outside the mode as well, where the re-run builds its causal mask with device="cuda" (and the MoE router moves
+    # tensors to torch.cuda.current_device()): run the whole recompute under the mode.
+    recompute = mrandom.CheckpointFunction.backward
+
+    def _recompute_on_cpu(ctx, *args):
+        with _CudaToCpuMode():
+            return recompute(ctx, *args)
+
+    mrandom.CheckpointFunction.backward = staticmethod(_recompute_on_cpu)
 
     _COMPAT_MODE = _CudaToCpuMode()
     _COMPAT_MODE.__enter__()

@@ -75,4 +75,8 @@ def shared_vs_unshared(rank: int, world_size: int, model_dir: str):
             res[(name, shared)] = _run_layout(rank, world_size, model_dir, batch, shared, **kw)
     res[("dp2_fallback", True)] = _run_layout(rank, world_size, model_dir, batch, True, budget=FALLBACK_BUDGET)
     res[("tp2_recompute", True)] = _run_layout(rank, world_size, model_dir, batch, True, recompute=True, tp=2)
+    # plain causal rows under recompute: megatron re-runs their forward (its causal mask built on "cuda") inside
+    # the backward, outside the CPU compat layer's function mode unless the layer covers it (platform.py)
+    res[("tp2_recompute_plain", False)] = _run_layout(rank, world_size, model_dir, batch, False, recompute=True,
+                                                      tp=2)
     return res

@@ -64,3 +64,14 @@ def test_shared_equals_hf_reference(results, layout):
 def test_over_budget_group_falls_back(results):
     # group 1 (32 packed tokens) exceeds the 24-token budget: only groups 0 and 2 stay packed
     assert results[("dp2_fallback", True)]["packed_rows"] == 2
+
+
+def test_recompute_of_plain_rows_equals_hf_reference(results):
+    """Activation recompute on unpacked causal rows: the backward's re-run forward trains as HF does."""
+    r = results[("tp2_recompute_plain", False)]
+    assert not r["enabled"]
+    _close_lists(r["logprobs"], results["ref_lps"], 1e-5)
+    assert r["metrics"]["loss"] == pytest.approx(results["ref_loss"], rel=1e-5, abs=1e-7)
+    assert r["metrics"]["grad_norm"] == pytest.approx(results["ref_norm"], rel=1e-5)
+    for k, v in r["after"].items():
+        torch.testing.assert_close(v, results["ref_state"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")
