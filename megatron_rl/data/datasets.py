@@ -1,4 +1,5 @@
-"""Prompt datasets (reasoning-gym tasks, DeepScaleR/AIME-style JSONL) and a deterministic, resumable prompt stream.
+"""Prompt datasets (reasoning-gym tasks, DeepScaleR/AIME-style JSONL, tables read with `datasets`: hf_dataset.py)
+and a deterministic, resumable prompt stream.
 
 Datasets are indexable and build prompts lazily: tokenising 100k chat-templated prompts up front costs ~10 s, and a
 step only needs a few. A prompt longer than DataConfig.max_prompt_tokens is filtered when first built (item() returns
@@ -10,11 +11,11 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional, Union
 
 from megatron_rl.config.schema import DataConfig
-from megatron_rl.data.prompts import build_prompt
-from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.data.prompts import build_prompt, build_prompt_from_messages
+from megatron_rl.data.tokenizer import Message, Tokenizer
 
 # reasoning-gym seeds item i of a dataset with seed `seed + i`, so seeds 1 and 2 would share all but one item.
 # Each split therefore starts at seed * RG_SEED_STRIDE: splits of up to 2**20 items never overlap. Seeds must stay
@@ -23,8 +24,12 @@ RG_SEED_STRIDE = 2 ** 20
 RG_MAX_SPLIT_SEED = 2 ** 32 // RG_SEED_STRIDE - 1
 
 
+# what raw() gives: a problem for the prompt template, or (hf chat-list prompts) the conversation itself
+Problem = Union[str, list[Message]]
+
+
 class DataError(ValueError):
-    """A dataset cannot be used as configured; the message names the file:line or config key."""
+    """A dataset cannot be used as configured; the message names the file:line (file: row N) or config key."""
 
 
 @dataclass
@@ -32,14 +37,16 @@ class PromptItem:
     prompt_ids: list[int]
     prompt_text: str
     answer: str  # the reference answer the reward compares against
-    meta: dict[str, Any] = field(default_factory=dict)  # reasoning-gym: task, task_params, entry; jsonl: line, extras
-    source: str = ""  # "reasoning_gym:<task>" or "jsonl:<path>"
+    # reasoning-gym: task, task_params, entry; jsonl: line, extras; hf: file, row, the record's other fields
+    meta: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # "reasoning_gym:<task>", "jsonl:<path>" or "hf:<path>"
 
 
 class PromptDataset:
-    """Base: subclasses provide __len__ and raw(idx) -> (problem, answer, meta)."""
+    """Base: subclasses provide __len__ and raw(idx) -> (problem, answer, meta); a problem that is a message list
+    is the prompt's conversation as it stands (build_prompt_from_messages)."""
 
-    kind: Literal["reasoning_gym", "jsonl"]
+    kind: Literal["reasoning_gym", "jsonl", "hf"]
     source: str
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
@@ -50,7 +57,7 @@ class PromptDataset:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def raw(self, idx: int) -> tuple[str, str, dict[str, Any]]:
+    def raw(self, idx: int) -> tuple[Problem, str, dict[str, Any]]:
         raise NotImplementedError
 
     def item(self, idx: int) -> Optional[PromptItem]:
@@ -58,7 +65,10 @@ class PromptDataset:
         if not 0 <= idx < len(self):
             raise IndexError(f"index {idx} out of range for a dataset of {len(self)}")
         problem, answer, meta = self.raw(idx)
-        ids, text = build_prompt(problem, self.cfg, self.tokenizer)
+        if isinstance(problem, str):
+            ids, text = build_prompt(problem, self.cfg, self.tokenizer)
+        else:
+            ids, text = build_prompt_from_messages(problem, self.cfg, self.tokenizer)
         if len(ids) > self.cfg.max_prompt_tokens:
             self._too_long.add(idx)
             return None
@@ -189,8 +199,8 @@ def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, split: Literal["train", 
 
     reasoning-gym: train = task seeded by data.train_seed with data.train_size items; val = data.val_seed with
     `size` items (pass grpo.val_num_prompts; without it, data.train_size — items are built lazily either way).
-    jsonl: data.path / data.val_path (`size`, if given, keeps the first `size` usable records); the validation
-    split is None when data.val_path is not set.
+    jsonl and hf: data.path / data.val_path (`size`, if given, keeps the first `size` usable records); the
+    validation split is None when data.val_path is not set.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', not {split!r}")
@@ -207,7 +217,16 @@ def load_dataset(cfg: DataConfig, tokenizer: Tokenizer, split: Literal["train", 
                 return None
             raise DataError("data.path must name a JSONL file when data.source is 'jsonl'")
         return JsonlDataset(cfg, tokenizer, path, limit=size)
-    raise DataError(f"data.source {cfg.source!r} is not one of reasoning_gym, jsonl")
+    if cfg.source == "hf":
+        from megatron_rl.data.hf_dataset import WHAT, HFDataset
+
+        path = cfg.path if split == "train" else cfg.val_path
+        if path is None:
+            if split == "val":
+                return None
+            raise DataError(f"data.path must name {WHAT} when data.source is 'hf'")
+        return HFDataset(cfg, tokenizer, path, limit=size)
+    raise DataError(f"data.source {cfg.source!r} is not one of reasoning_gym, jsonl, hf")
 
 
 class PromptStream:

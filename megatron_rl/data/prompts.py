@@ -6,6 +6,8 @@ decides whether GRPO gets any reward signal at all.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.tokenizer import Message, Tokenizer, render_plain
 
@@ -35,7 +37,14 @@ def build_messages(problem: str, cfg: DataConfig) -> list[Message]:
 
 def build_prompt(problem: str, cfg: DataConfig, tokenizer: Tokenizer) -> tuple[list[int], str]:
     """(prompt token ids, prompt text), ending where the assistant's answer begins (add_generation_prompt)."""
-    messages = build_messages(problem, cfg)
+    return build_prompt_from_messages(build_messages(problem, cfg), cfg, tokenizer)
+
+
+def build_prompt_from_messages(messages: Sequence[Message], cfg: DataConfig,
+                               tokenizer: Tokenizer) -> tuple[list[int], str]:
+    """build_prompt for a conversation given as it is (a dataset's chat-list prompt): the messages are rendered
+    unchanged, through the chat template when data.use_chat_template is on, else the plain one; data.system_prompt,
+    data.few_shot and data.prompt_template are not applied."""
     if cfg.use_chat_template:
         text = tokenizer.render_chat(messages, add_generation_prompt=True)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True), text

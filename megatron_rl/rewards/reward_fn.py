@@ -15,12 +15,12 @@ from megatron_rl.rewards.pool import TimeoutPool
 
 def resolve_kind(cfg_kind: str, dataset_kind: str) -> str:
     """RewardConfig.kind, with "auto" meaning reasoning-gym's own scorer for reasoning-gym data and math-verify
-    for JSONL (DeepScaleR/AIME-style) data."""
+    for JSONL (DeepScaleR/AIME-style) and hf (verl-style parquet and other tables) data."""
     if cfg_kind != "auto":
         return cfg_kind
     if dataset_kind == "reasoning_gym":
         return "reasoning_gym"
-    if dataset_kind in ("jsonl", "math"):
+    if dataset_kind in ("jsonl", "hf", "math"):
         return "math"
     raise ValueError(f"reward.kind=auto cannot handle dataset kind {dataset_kind!r}")
 

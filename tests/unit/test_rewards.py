@@ -108,6 +108,7 @@ def test_well_formed():
 def test_resolve_kind():
     assert resolve_kind("auto", "reasoning_gym") == "reasoning_gym"
     assert resolve_kind("auto", "jsonl") == "math"
+    assert resolve_kind("auto", "hf") == "math"  # verl-style parquet: math-verify against the ground truth
     assert resolve_kind("math", "reasoning_gym") == "math"
 
 
