@@ -110,7 +110,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_rl.plan import main as plan_main
+    from megatron_rl.planner.search import main as plan_main
 
     return plan_main(args.rest)
 

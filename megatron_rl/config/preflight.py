@@ -135,7 +135,7 @@ def gpu_memory_problem(utilization: float, devices: int, free_total: list[tuple[
 
 def check_generation_memory(cfg: Config, spec) -> None:
     from megatron_rl.distributed.parallel_dims import layout_of
-    from megatron_rl.plan_model import vllm_weight_bytes
+    from megatron_rl.planner.architecture import vllm_weight_bytes
     from megatron_rl.platform import get_platform
 
     c = cfg.cluster

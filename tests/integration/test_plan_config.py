@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl import plan
+from megatron_rl.planner import search as plan
 from megatron_rl.algorithms import grpo
 from megatron_rl.config import load_config
 from tests.integration import faults_inject
