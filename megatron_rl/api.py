@@ -51,7 +51,7 @@ def train(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
 
     A stage-chain YAML (`stages:`) runs its stages in order, as `megatron-rl train` does; the history is then every
     stage's records in order, each with a `stage` index added."""
-    from megatron_rl.algorithms.trackers import require_trackers
+    from megatron_rl.config.preflight import require_trackers
     from megatron_rl.paths import read_metrics
 
     _refuse_in_worker_import("train")
