@@ -50,14 +50,6 @@ def max_model_len(cfg: Config) -> int:
     return cfg.max_model_len()
 
 
-def build_engine(cfg: Config, model_dir: Path | str, seed: int = 0):
-    """An in-process rollout engine for `cfg.generation` (evaluation, benches); the Ray-hosted engine of a training
-    run is built in `build`. The one place that names the concrete engine class for callers above the workers."""
-    from megatron_rl.generation.vllm_generator import VLLMGenerator
-
-    return VLLMGenerator(cfg.generation, str(model_dir), max_model_len=max_model_len(cfg), seed=seed)
-
-
 def build_data(cfg: Config, tok):
     """The prompt stream and the validation items, tokenized with `tok` (the tokenizer the pre-flight checked)."""
     from megatron_rl.data.datasets import PromptStream, load_dataset

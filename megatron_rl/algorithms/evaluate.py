@@ -77,7 +77,7 @@ def eval_overrides(model: str, *, data: str | None = None, jsonl: str | None = N
 def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: float | None = None) -> dict:
     """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data`, with an in-process engine
     (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
-    from megatron_rl.build import build_engine
+    from megatron_rl.generation import build_engine
     from megatron_rl.data.datasets import load_dataset
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.reward_fn import RewardFn
