@@ -83,7 +83,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
 
     if is_chain(args.config):
-        return run_chain(args.config, args.overrides, dry_run=args.dry_run)
+        from megatron_rl.build import run
+
+        return run_chain(args.config, args.overrides, run=run, dry_run=args.dry_run)
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
         from megatron_rl.config import to_dict
@@ -92,9 +94,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         preflight(cfg, machine=False)  # model and tokenizer vs config; not this machine (the run may go elsewhere)
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    from megatron_rl.algorithms.grpo import run as run_grpo
+    from megatron_rl.build import run
 
-    return run_grpo(cfg, config_path=args.config, overrides=args.overrides)
+    return run(cfg, config_path=args.config, overrides=args.overrides)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
