@@ -1,9 +1,16 @@
 """megatron-rl: GRPO post-training on megatron-core, vLLM and Ray."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the version is set once, in megatron_rl/__init__.py (read, not imported: setup runs before the dependencies exist)
+INIT = (Path(__file__).parent / "megatron_rl" / "__init__.py").read_text()
+VERSION = re.search(r'^__version__ = "([^"]+)"', INIT, re.M).group(1)
 
 setup(
     name="megatron-rl",
-    version="0.1.0",
+    version=VERSION,
     description="GRPO post-training backend: megatron-core policy, vLLM rollouts, Ray placement, Triton logprob kernels",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*", "kernels", "kernels.*"]),

@@ -45,14 +45,14 @@ COMPARISONS = {
 
 
 def run_mode(extra: list[str], steps: int, out: Path) -> tuple[list[dict], float]:
-    from megatron_rl.algorithms import grpo
+    from megatron_rl import build
     from megatron_rl.config import load_config
 
     cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [
         f"output.dir={out}", f"grpo.max_steps={steps}", "grpo.val_every=0", "checkpoint.every_steps=0",
         "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", *extra])
     t0 = time.perf_counter()
-    assert grpo.run(cfg) == 0
+    assert build.run(cfg) == 0
     wall = time.perf_counter() - t0
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()], wall
 

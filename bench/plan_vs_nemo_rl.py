@@ -22,7 +22,7 @@ Mixture of experts (v0.6 performance summary, "H100 BF16 Benchmarks", GRPO on-po
 Both inherit grpo_math_1B.yaml: reference_policy_kl_penalty 0.01 (two logprob passes, as above) and vLLM
 gpu_memory_utilization 0.6, which bounds the KV cache (NEMO_VLLM_UTIL; it limits Qwen3-32B's concurrency to 163
 of its 256 sequences per engine, and the one-step-off Llama's to 238 of 256).
-DeepSeek-V3 is a plan-only architecture here (megatron_rl/plan_arch.py lists what the planner approximates).
+DeepSeek-V3 is a plan-only architecture here (megatron_rl/planner/architecture.py lists what the planner approximates).
 
 Printed per run: the planner at NeMo-RL's own layout and the planner's best layout for the same mode, against the
 published step time and tokens/s/GPU, and the estimate / published ratio; then the async speed-up, published and
@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.plan import Plan, Workload, evaluate, plan, resolve_model  # noqa: E402
-from megatron_rl.plan_presets import GPUS  # noqa: E402
+from megatron_rl.planner.search import Plan, Workload, evaluate, plan, resolve_model  # noqa: E402
+from megatron_rl.planner.presets import GPUS  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ The Python API (`megatron_rl/api.py`): `megatron_rl.train`, `megatron_rl.load_co
 They are imported on first use, so `import megatron_rl` loads nothing heavy (no torch, Ray or vLLM).
 """
 
+__version__ = "0.1.0"  # the one place it is set: setup.py reads it from here, `megatron-rl --version` prints it
 __all__ = ["train", "load_config", "evaluate"]
 
 

@@ -6,7 +6,7 @@
     history = megatron_rl.train(cfg)                       # the records of metrics.jsonl, one dict per line
     result = megatron_rl.evaluate("trained_hf", config=cfg, n=4)
 
-They run the CLI's own code paths (the config loader, `algorithms.grpo.run` or a stage chain, `algorithms.evaluate`)
+They run the CLI's own code paths (the config loader, `build.run` or a stage chain, `algorithms.evaluate`)
 and raise instead of printing: `ConfigError` for a bad config or a tracker whose package is missing,
 `TrainingError` when a run stops with a non-zero status. In a script, call them under `if __name__ == "__main__":`:
 the worker processes a run starts (reward verifiers, conversion ranks) import the main script again, as every
@@ -51,8 +51,9 @@ def train(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
 
     A stage-chain YAML (`stages:`) runs its stages in order, as `megatron-rl train` does; the history is then every
     stage's records in order, each with a `stage` index added."""
-    from megatron_rl.algorithms.trackers import require_trackers
-    from megatron_rl.algorithms.tracking import read_metrics
+    from megatron_rl.build import run
+    from megatron_rl.config.preflight import require_trackers
+    from megatron_rl.paths import read_metrics
 
     _refuse_in_worker_import("train")
     overrides = list(overrides or [])
@@ -63,12 +64,10 @@ def train(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
             stages = [load_config(st.config, st.overrides + overrides) for st in load_stages(config)]
             for cfg in stages:  # every stage's trackers, before the first stage starts
                 require_trackers(cfg.logging)
-            _check(run_chain(config, overrides), config)
+            _check(run_chain(config, overrides, run=run), config)
             return [{**rec, "stage": i} for i, cfg in enumerate(stages) for rec in read_metrics(cfg.output.dir)]
     cfg = load_config(config, overrides)
     require_trackers(cfg.logging)
-    from megatron_rl.algorithms.grpo import run
-
     path = str(config) if isinstance(config, (str, Path)) else None
     _check(run(cfg, config_path=path, overrides=overrides), path or cfg.output.dir)
     return read_metrics(cfg.output.dir)

@@ -1,4 +1,5 @@
-"""The one place that turns a `Config` into running parts: Ray, placement, policy ranks, generator, data, reward.
+"""The one place that turns a `Config` into running parts: Ray, placement, policy ranks, generator, data, reward;
+and `run`, which builds them for a training run and runs the GRPO loop on them (`megatron-rl train`).
 
 Colocated (default): policy ranks and the generator share each device bundle (fractional resources) and take turns;
 disaggregated: the generator gets bundles of its own, out of the cluster's devices (`parallel_dims.device_layout`).
@@ -7,6 +8,10 @@ Everything CPU/GPU-specific comes from the platform module.
 from __future__ import annotations
 
 import os
+import random
+import signal
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +53,6 @@ class Components:
 
 def max_model_len(cfg: Config) -> int:
     return cfg.max_model_len()
-
-
-def build_engine(cfg: Config, model_dir: Path | str, seed: int = 0):
-    """An in-process rollout engine for `cfg.generation` (evaluation, benches); the Ray-hosted engine of a training
-    run is built in `build`. The one place that names the concrete engine class for callers above the workers."""
-    from megatron_rl.generation.vllm_generator import VLLMGenerator
-
-    return VLLMGenerator(cfg.generation, str(model_dir), max_model_len=max_model_len(cfg), seed=seed)
 
 
 def build_data(cfg: Config, tok):
@@ -134,3 +131,43 @@ def build(cfg: Config, out_dir: Path) -> Components:
     handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover)
+
+
+def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:
+    """Train `cfg` (`megatron-rl train` of one config; 0 when done or already complete, 2 on a data error): the resume
+    point, then `build`, then the GRPO loop (`algorithms.grpo.train_loop`) on the parts, which are shut down however
+    it ends. config_path and overrides: what the run was started from (the CLI's and the API's arguments)."""
+    import torch
+
+    from megatron_rl.algorithms.grpo import checkpoint_root, train_loop
+    from megatron_rl.algorithms.resume import resume_point
+    from megatron_rl.data.datasets import DataError
+
+    t_start = time.monotonic()
+    out = Path(cfg.output.dir)
+    # before anything starts: the newest intact checkpoint, and a refusal if the config changed the run since
+    point = resume_point(cfg, out, checkpoint_root(cfg))
+    if point.checkpoint is not None and point.step >= cfg.grpo.max_steps:
+        print(f"[megatron-rl] already complete at step {point.step} ({point.checkpoint}); raise grpo.max_steps "
+              "to train further", flush=True)
+        return 0
+    random.seed(cfg.grpo.seed)
+    torch.manual_seed(cfg.grpo.seed)
+    print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
+    try:
+        c = build(cfg, out)
+    except DataError as e:  # raised while reading the data, before Ray or any worker starts
+        print(f"data error: {e}", file=sys.stderr, flush=True)
+        return 2
+    # scancel / kill send SIGTERM: turn it into an exception so the engine and Ray shut down cleanly (no leaked
+    # /dev/shm segments); the last complete checkpoint is untouched either way. Installed after ray.init, which
+    # replaces the handler with its own.
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return train_loop(cfg, c, point, t_start=t_start)
+    finally:
+        c.shutdown()
+
+
+def _terminate(signum, _frame):
+    raise SystemExit(128 + signum)

@@ -1,7 +1,9 @@
-"""`megatron-rl` command line: train, eval, convert, plan, info.
+"""`megatron-rl` command line: train, eval, convert, plan, info (and `--version`).
 
 Each subcommand parses its own arguments and delegates to the module that owns the work; heavy imports happen inside
-the handlers so `megatron-rl --help` and `info` stay fast.
+the handlers so `megatron-rl --help`, every `megatron-rl COMMAND --help` and `info` stay fast. Each command's
+`--help` says what it does and names the arguments and config keys a user sets most (eval, convert and plan: in
+their own modules' parsers).
 
 Bad input (a config key, a data file, a checkpoint) ends with one line on stderr naming what is wrong and where, and
 exit code 2; `--debug` (before the subcommand, or on `train`) or MEGATRON_RL_DEBUG=1 shows the traceback instead.
@@ -83,7 +85,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megatron_rl.config import load_config
 
     if is_chain(args.config):
-        return run_chain(args.config, args.overrides, dry_run=args.dry_run)
+        from megatron_rl.build import run
+
+        return run_chain(args.config, args.overrides, run=run, dry_run=args.dry_run)
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
         from megatron_rl.config import to_dict
@@ -92,9 +96,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         preflight(cfg, machine=False)  # model and tokenizer vs config; not this machine (the run may go elsewhere)
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
-    from megatron_rl.algorithms.grpo import run as run_grpo
+    from megatron_rl.build import run
 
-    return run_grpo(cfg, config_path=args.config, overrides=args.overrides)
+    return run(cfg, config_path=args.config, overrides=args.overrides)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -110,24 +114,92 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_rl.plan import main as plan_main
+    from megatron_rl.planner.search import main as plan_main
 
     return plan_main(args.rest)
 
 
+TRAIN_DESCRIPTION = """\
+Run GRPO from a YAML config: Ray places the policy ranks (megatron-core TP/PP/DP/EP) and the vLLM engines,
+colocated or on their own devices, and the loop generates, scores, trains and refits each step.
+
+The run writes into output.dir: config.yaml (the resolved config), metrics.jsonl (one record per step),
+checkpoints/step_N/, TensorBoard events and metrics.png. Re-running the same command resumes from the newest complete
+checkpoint (a finished run says so; raise grpo.max_steps to train further). A YAML whose only key is `stages:` runs a
+stage chain, each stage starting from the previous one's weights."""
+
+# (keys, what they set): the keys a user sets most. tests/unit/test_cli.py checks that each is a key of the schema.
+TRAIN_KEYS = (
+    ("policy.model", 'HF model folder ("default": the embedded SmolLM2-135M-Instruct)'),
+    ("policy.tp policy.pp policy.dp policy.ep", "trainer parallelism: tensor, pipeline, data, expert (MoE)"),
+    ("policy.optimizer.lr", "learning rate (policy.scheduler.*: warm-up and decay)"),
+    ("policy.max_tokens_per_microbatch", "tokens per packed training micro-batch"),
+    ("generation.tp generation.dp", "vLLM: devices per engine, number of engines"),
+    ("generation.max_new_tokens generation.temperature", "response budget, sampling temperature"),
+    ("data.source data.task data.path", "prompts: a reasoning-gym task, or data.source=jsonl with data.path=FILE"),
+    ("data.max_prompt_tokens", "prompt budget (with generation.max_new_tokens: the engine's context)"),
+    ("reward.kind", "verifier: reasoning_gym | math | auto"),
+    ("grpo.max_steps", "training steps"),
+    ("grpo.num_prompts_per_step grpo.num_generations_per_prompt", "batch: prompts x samples of each (a group)"),
+    ("grpo.loss.variant grpo.loss.kl_coef", "loss: grpo | gspo | cispo; KL penalty to the reference model"),
+    ("grpo.val_every", "validate every N steps on held-out prompts (0: never)"),
+    ("grpo.max_staleness", "0: synchronous; k >= 1: async GRPO (needs cluster.colocated=false)"),
+    ("cluster.devices_per_node cluster.num_nodes", "GPUs (CPU slots on CPU) per node, and nodes"),
+    ("cluster.colocated", "trainer and vLLM share every device (true) or get devices of their own"),
+    ("cluster.ray_address", 'join a running Ray cluster ("auto" or host:port) instead of starting one'),
+    ("checkpoint.every_steps checkpoint.dir", "checkpoint cadence; folder (default: output.dir/checkpoints)"),
+    ("logging.wandb logging.mlflow", "experiment trackers (optional extras), e.g. logging.wandb.mode=offline"),
+    ("output.dir", "where the run writes (above)"),
+)
+
+
+def _key_table(rows, width: int = 34) -> str:
+    """Two columns as argparse lays out options: keys, then what they set (on the next line when the keys are long)."""
+    lines = []
+    for keys, what in rows:
+        keys = ", ".join(keys.split())
+        lines += [f"  {keys:<{width}}  {what}"] if len(keys) <= width else [f"  {keys}", f"  {'':<{width}}  {what}"]
+    return "\n".join(lines)
+
+
+def train_epilog() -> str:
+    return (f"main config keys (in the YAML, or as key.path=value overrides; every key and its default:\n"
+            f"megatron_rl/config/schema.py; --dry-run prints a config resolved):\n{_key_table(TRAIN_KEYS)}\n\n"
+            "examples:\n"
+            "  megatron-rl train configs/demo_cpu.yaml\n"
+            "  megatron-rl train configs/demo_cpu.yaml grpo.max_steps=5 output.dir=runs/try\n"
+            "  megatron-rl train configs/demo_cpu.yaml policy.optimizer.lr=1e-5 --dry-run")
+
+
+INFO_DESCRIPTION = """\
+Versions of megatron-rl and the packages it runs on (torch, megatron-core, vLLM, Ray, transformers, ...), the platform
+this process sees (device CPU or CUDA, distributed backend, default dtype, log-prob implementation, Transformer
+Engine) and the visible GPUs with their memory."""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_rl import __version__
+
+    raw = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(
         prog="megatron-rl",
         description="GRPO post-training on megatron-core (TP/PP/DP), vLLM rollouts and Ray.",
+        epilog="`megatron-rl COMMAND --help` says what a command does and names its arguments and config keys.\n"
+               "examples:\n"
+               "  megatron-rl train configs/demo_cpu.yaml\n"
+               "  megatron-rl plan --model qwen2.5-1.5b --gpus 8\n"
+               "  megatron-rl info",
+        formatter_class=raw,
     )
+    ap.add_argument("--version", action="version", version=f"megatron-rl {__version__}")
     ap.add_argument("--debug", action="store_true",
                     help=f"show the traceback of a config/data/checkpoint error (or set {DEBUG_ENV}=1)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="run GRPO from a YAML config (re-running resumes from the last checkpoint)",
-                       description="Run GRPO. Overrides are key.path=value, e.g. policy.tp=2 grpo.max_steps=5.")
-    p.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml")
-    p.add_argument("overrides", nargs="*", help="key.path=value overrides")
+                       description=TRAIN_DESCRIPTION, epilog=train_epilog(), formatter_class=raw)
+    p.add_argument("config", help="YAML config, e.g. configs/demo_cpu.yaml (or a stage chain)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. grpo.max_steps=5 policy.tp=2")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config against the model and tokenizer, print it resolved, then exit")
     p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/checkpoint error")
@@ -143,8 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=func)
 
-    p = sub.add_parser("info", help="versions, platform (CPU/GPU) and visible devices")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("info", help="versions, platform (CPU/GPU) and visible devices", description=INFO_DESCRIPTION,
+                       formatter_class=raw)
+    p.add_argument("--json", action="store_true", help="print the same report as JSON (keys: megatron-rl, python, "
+                   "packages, platform, devices)")
     p.set_defaults(func=cmd_info)
     return ap
 

@@ -1,10 +1,11 @@
-"""Where megatron-rl keeps things that are not source: the model cache and default run outputs.
+"""Where megatron-rl keeps things that are not source: the model cache, default run outputs, and a run's metrics.
 
 One place for these defaults. The cache lives in the checkout (git-ignored `.cache/`) when running from a clone, so a
 fresh clone's set-up and its tests agree on it; `MEGATRON_RL_CACHE` overrides it.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -23,3 +24,12 @@ def cache_dir() -> Path:
 def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct) as a plain HF folder, made by `launch/setup_env.sh`."""
     return cache_dir() / "models" / "SmolLM2-135M-Instruct"
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    """The records of a run's metrics.jsonl (`<output.dir>/metrics.jsonl`, written by `algorithms/tracking.py`), in
+    order (empty when there is none). Read by the tracker when a run resumes, the model card and the Python API."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,6 +1,6 @@
 """pass@1 / pass@k with the same generator and verifier as training.
 
-    megatron-rl eval --model DIR --data chain_sum [--task-params JSON] [--jsonl FILE] --n K [--num-prompts N]
+    megatron-rl eval --model DIR [--config YAML] [--data TASK | --jsonl FILE] [--n K] [--num-prompts N] [a.b=c ...]
 
 pass@1 is the mean score over all n samples of every prompt (an unbiased estimate of single-sample accuracy);
 pass@k is the fraction of prompts with at least one correct sample among the k drawn.
@@ -28,16 +28,37 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
             "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))]}
 
 
+EPILOG = """\
+config keys it reads (from --config, else the schema's defaults; then the overrides):
+  data.source, data.task, data.task_params   the prompts: a reasoning-gym task (--data sets data.task)...
+  data.path, data.val_path                   ... or a problem/answer JSONL file (--jsonl sets them, data.source=jsonl)
+  data.max_prompt_tokens, data.use_chat_template, data.system_prompt, data.few_shot
+                                             how a prompt is built, as in training
+  reward.kind, reward.answer_format          the verifier and the answer format it reads
+  generation.max_new_tokens, generation.temperature, generation.top_p
+                                             sampling (--temperature overrides the temperature)
+  generation.precision, generation.kv_cache_memory_mb, generation.gpu_memory_utilization
+                                             the in-process vLLM engine
+  policy.tokenizer                           the tokenizer (default: the --model folder's)
+The held-out prompts are the validation split (data.val_seed, or data.val_path). The result is JSON: val_accuracy
+(pass@1), val_pass_at_k, val_k, val_num_prompts, val_samples (a few completions) and seconds.
+
+examples:
+  megatron-rl eval --model runs/demo_cpu/hf --config configs/demo_cpu.yaml --n 4 --num-prompts 64
+  megatron-rl eval --model MODEL_DIR --jsonl problems.jsonl --n 8 --out result.json generation.max_new_tokens=1024"""
+
+
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__,
+    ap = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder (e.g. the output of convert megatron-to-hf)")
     ap.add_argument("--config", default=None, help="YAML whose data/reward/generation sections to use")
     ap.add_argument("--data", default=None, help="reasoning-gym task name (overrides the config)")
     ap.add_argument("--jsonl", default=None, help="JSONL file with problem/answer (overrides --data)")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt (k of pass@k)")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=None)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (k of pass@k; default 4)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="held-out prompts to evaluate (default 64)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sampling temperature (default: generation.temperature)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     ap.add_argument("overrides", nargs="*", help="config overrides key.path=value")
     args = ap.parse_args(argv)
@@ -77,7 +98,7 @@ def eval_overrides(model: str, *, data: str | None = None, jsonl: str | None = N
 def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: float | None = None) -> dict:
     """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data`, with an in-process engine
     (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
-    from megatron_rl.build import build_engine
+    from megatron_rl.generation import build_engine
     from megatron_rl.data.datasets import load_dataset
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.reward_fn import RewardFn

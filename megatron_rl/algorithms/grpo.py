@@ -3,7 +3,9 @@
     megatron-rl train configs/demo_cpu.yaml [key=value ...]
 
 Re-running the same command resumes from the newest intact checkpoint under `<output.dir>/checkpoints`, or says
-the run is already complete; a config that changes the run is refused (`algorithms/resume.py`).
+the run is already complete; a config that changes the run is refused (`algorithms/resume.py`). The loop
+(`train_loop`) is given its running parts: `megatron_rl.build.run` finds the resume point, builds them and shuts them
+down.
 Who holds the device when (colocated), and the weight versions (each refit is the next one; a rollout with another
 version is refused): `algorithms/handover.py`. A step with no trainable group (dynamic sampling dropped them all) is
 logged as skipped and changes nothing; `grpo.max_empty_steps` of them in a row abort the run.
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -237,33 +238,16 @@ def _split(batch, parts: int):
     return out
 
 
-def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:
-    from megatron_rl.algorithms.resume import resume_point
-    from megatron_rl.build import build
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.output.dir) / "checkpoints"
 
-    t_start = time.monotonic()
-    out = Path(cfg.output.dir)
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
-    # before anything starts: the newest intact checkpoint, and a refusal if the config changed the run since
-    point = resume_point(cfg, out, root)
-    if point.checkpoint is not None and point.step >= cfg.grpo.max_steps:
-        print(f"[megatron-rl] already complete at step {point.step} ({point.checkpoint}); raise grpo.max_steps "
-              "to train further", flush=True)
-        return 0
-    random.seed(cfg.grpo.seed)
-    torch.manual_seed(cfg.grpo.seed)
-    print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
-    from megatron_rl.data.datasets import DataError
 
-    try:
-        c = build(cfg, out)
-    except DataError as e:  # raised while reading the data, before Ray or any worker starts
-        print(f"data error: {e}", file=sys.stderr, flush=True)
-        return 2
-    # scancel / kill send SIGTERM: turn it into an exception so the engine and Ray shut down cleanly (no leaked
-    # /dev/shm segments); the last complete checkpoint is untouched either way. Installed after ray.init, which
-    # replaces the handler with its own.
-    signal.signal(signal.SIGTERM, _terminate)
+def train_loop(cfg: Config, c, point, *, t_start: float) -> int:
+    """GRPO on the running parts `c` (`build.Components`), from the resume point `point`
+    (`algorithms.resume.resume_point`) to grpo.max_steps; t_start: when the run started (validation records time
+    since it). `megatron_rl.build.run` builds the parts, calls this and shuts them down; this closes what it opened
+    (the tracker, the async rollout pipeline)."""
+    out, root = Path(cfg.output.dir), checkpoint_root(cfg)
     tracker = pipeline = None
     finished = False
     try:
@@ -338,11 +322,6 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
             pipeline.close()
         if tracker is not None:
             tracker.close(failed=not finished)
-        c.shutdown()
-
-
-def _terminate(signum, _frame):
-    raise SystemExit(128 + signum)
 
 
 def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:

@@ -6,9 +6,10 @@ is skipped, so re-running the chain command resumes the first unfinished stage.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from megatron_rl.config import ConfigError, load_config, read_yaml_tree
+from megatron_rl.config import Config, ConfigError, load_config, read_yaml_tree
 from megatron_rl.config.loader import from_dict
 from megatron_rl.config.schema import StageConfig
 
@@ -39,7 +40,9 @@ def load_stages(path: str | Path) -> list[StageConfig]:
     return out
 
 
-def run_chain(path: str | Path, overrides: list[str], *, dry_run: bool = False) -> int:
+def run_chain(path: str | Path, overrides: list[str], *, run: Callable[[Config], int], dry_run: bool = False) -> int:
+    """Run the chain's unfinished stages in order with `run` (one training run of a stage's config: `build.run`);
+    the first non-zero status stops the chain and is returned. dry_run: print each stage's output and init_from."""
     from megatron_rl.models.checkpoint import latest_checkpoint, read_metadata
 
     previous: Path | None = None
@@ -53,8 +56,6 @@ def run_chain(path: str | Path, overrides: list[str], *, dry_run: bool = False) 
         elif latest is not None and read_metadata(latest).get("step", 0) >= cfg.grpo.max_steps:
             print(f"[megatron-rl] stage {i} ({st.config}) already finished at {latest}")
         else:
-            from megatron_rl.algorithms.grpo import run
-
             print(f"[megatron-rl] stage {i}: {st.config}", flush=True)
             rc = run(cfg)
             if rc:

@@ -1,9 +1,9 @@
 """Achieved FLOP/s per phase of a GRPO step, from token counts and the model's shape.
 
 FLOPs are counted as the matmuls' 2 * (matmul params) per token forward, 6 per token trained (forward + backward),
-where matmul params are every linear layer plus the lm_head (`plan_model.matmul_params`; the same count the planner
-uses). Attention score FLOPs are left out: at the demo's lengths they are under 2 % of the total, and a count that
-only grows with them would flatter long-context runs. Tokens are what each phase computed:
+where matmul params are every linear layer plus the lm_head (`planner.architecture.matmul_params`; the same count the
+planner uses). Attention score FLOPs are left out: at the demo's lengths they are under 2 % of the total, and a count
+that only grows with them would flatter long-context runs. Tokens are what each phase computed:
 - train: positions fed to the trainer (packed rows, padding included), per optimizer step. The lm_head is counted
   on every position although the trainer runs it on the response window only (`policy/model_hooks.py`): for the
   CPU demo's short responses behind long shared prompts that overstates the rate by up to ~20 % (SmolLM2's lm_head
@@ -20,7 +20,7 @@ from functools import lru_cache
 @lru_cache(maxsize=8)
 def matmul_params_of(model_dir: str) -> int:
     from megatron_rl.models.provider import model_spec
-    from megatron_rl.plan_model import matmul_params
+    from megatron_rl.planner.architecture import matmul_params
 
     return matmul_params(model_spec(model_dir))
 

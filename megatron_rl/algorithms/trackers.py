@@ -4,53 +4,18 @@ Both are optional extras (`pip install -e '.[wandb]'`, `'.[mlflow]'`). Each rece
 metrics.jsonl, under the same names (numbers only: booleans as 0/1; null, i.e. non-finite, values are left out),
 with `step` as the x-axis; the resolved config as the run's parameters; and metrics.png as an artifact when the run
 ends. Every start of `megatron-rl train` opens a new tracker run named after output.dir: a resumed training shows
-up as a second run, and metrics.jsonl stays the one complete history.
+up as a second run, and metrics.jsonl stays the one complete history. That a configured tracker's package is installed
+is a pre-flight check (`config/preflight.py: require_trackers`), made before anything starts.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import time
 from pathlib import Path
 
-from megatron_rl.config import ConfigError, to_dict
-
-# config section -> the modules it imports; the extra of the same name installs them
-_NEEDS = {"wandb": ("wandb",), "mlflow": ("mlflow",)}
-_DB_NEEDS = ("sqlalchemy", "alembic")  # MLflow's database stores (the default sqlite one included)
-
-
-class TrackerUnavailable(ConfigError):
-    """A tracker is configured but its package is not installed."""
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: present in sys.modules as None (an import blocked on purpose)
-        return False
-
-
-def _is_database(tracking_uri: str | None) -> bool:
-    """None is the default sqlite store; `postgresql+psycopg2://...` is a database too."""
-    scheme = (tracking_uri or "sqlite:").split(":", 1)[0].split("+", 1)[0]
-    return scheme in ("sqlite", "postgresql", "mysql", "mssql")
-
-
-def require_trackers(logging) -> None:
-    """Fail before anything starts when a configured tracker's package is missing, naming the pip command."""
-    for section, modules in _NEEDS.items():
-        c = getattr(logging, section)
-        if c is None:
-            continue
-        if section == "mlflow" and _is_database(c.tracking_uri):
-            modules = modules + _DB_NEEDS
-        missing = [m for m in modules if not _installed(m)]
-        if missing:
-            raise TrackerUnavailable(f"logging.{section} is set but {', '.join(missing)} "
-                                     f"{'is' if len(missing) == 1 else 'are'} not installed: "
-                                     f"pip install -e '.[{section}]'")
+from megatron_rl.config import to_dict
+from megatron_rl.config.preflight import require_trackers
 
 
 def numeric_metrics(rec: dict) -> dict[str, float]:

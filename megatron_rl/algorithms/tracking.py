@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_rl.algorithms.trackers import numeric_metrics
+from megatron_rl.paths import read_metrics
 
 # (title, keys) per panel; missing keys are skipped
 PLOTS = [
@@ -22,14 +23,6 @@ PLOTS = [
     ("response length (tokens)", ["response_len_mean"]),
     ("seconds per step", ["time_generate_s", "time_logprobs_s", "time_train_s", "time_refit_s", "time_step_s"]),
 ]
-
-
-def read_metrics(out_dir: str | Path) -> list[dict]:
-    """The records of a run's metrics.jsonl, in order (empty when there is none)."""
-    path = Path(out_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class Tracker:

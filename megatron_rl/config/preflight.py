@@ -14,6 +14,7 @@ TP/PP against heads, KV heads, layers and devices are layout rules the loader al
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from megatron_rl.config.loader import ConfigError, resolve_model_dir
@@ -135,7 +136,7 @@ def gpu_memory_problem(utilization: float, devices: int, free_total: list[tuple[
 
 def check_generation_memory(cfg: Config, spec) -> None:
     from megatron_rl.distributed.parallel_dims import layout_of
-    from megatron_rl.plan_model import vllm_weight_bytes
+    from megatron_rl.planner.architecture import vllm_weight_bytes
     from megatron_rl.platform import get_platform
 
     c = cfg.cluster
@@ -153,12 +154,47 @@ def check_generation_memory(cfg: Config, spec) -> None:
         raise ConfigError(problem)
 
 
+# config section -> the modules it imports; the extra of the same name installs them
+_NEEDS = {"wandb": ("wandb",), "mlflow": ("mlflow",)}
+_DB_NEEDS = ("sqlalchemy", "alembic")  # MLflow's database stores (the default sqlite one included)
+
+
+class TrackerUnavailable(ConfigError):
+    """A tracker is configured but its package is not installed."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: present in sys.modules as None (an import blocked on purpose)
+        return False
+
+
+def _is_database(tracking_uri: str | None) -> bool:
+    """None is the default sqlite store; `postgresql+psycopg2://...` is a database too."""
+    scheme = (tracking_uri or "sqlite:").split(":", 1)[0].split("+", 1)[0]
+    return scheme in ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def require_trackers(logging) -> None:
+    """Fail before anything starts when a configured tracker's package is missing, naming the pip command."""
+    for section, modules in _NEEDS.items():
+        c = getattr(logging, section)
+        if c is None:
+            continue
+        if section == "mlflow" and _is_database(c.tracking_uri):
+            modules = modules + _DB_NEEDS
+        missing = [m for m in modules if not _installed(m)]
+        if missing:
+            raise TrackerUnavailable(f"logging.{section} is set but {', '.join(missing)} "
+                                     f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                                     f"pip install -e '.[{section}]'")
+
+
 def preflight(cfg: Config, *, machine: bool = True):
     """Run every check (module doc); returns the tokenizer it loaded. machine=False skips the checks against this
     machine, its platform and memory (a dry run may be validating a config for another machine)."""
     if machine:
-        from megatron_rl.algorithms.trackers import require_trackers
-
         check_generation_platform(cfg)
         require_trackers(cfg.logging)  # a configured tracker whose package is missing names its pip extra
     model_dir = resolve_model_dir(cfg.policy.model)

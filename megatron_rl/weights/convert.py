@@ -265,16 +265,44 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
 # command line
 # ----------------------------------------------------------------------------------------------------------------
 
+DESCRIPTION = """\
+Convert weights between an HF model folder and a megatron-rl checkpoint (megatron-core dist_checkpointing, which
+loads at any TP/PP), either way: export a trained checkpoint as an HF folder that transformers and vLLM load (with
+its tokenizer, chat template and a model card), or import an HF model as a checkpoint. Inputs are checked before
+any process starts; the output appears only when complete, and an existing --out is an error."""
+EPILOG = """\
+main arguments (`megatron-rl convert DIRECTION --help` for all):
+  hf-to-megatron --hf DIR --out DIR     the HF folder to import, the checkpoint folder to create
+  megatron-to-hf --ckpt DIR --out DIR   a checkpoint (or a run's checkpoints/ folder: its newest step), the HF folder
+  --tp N --pp M --ep E                  processes doing the work (they validate that the model splits that way)
+  --dtype auto|fp32|bf16|fp16           dtype written (auto: the HF config's)
+
+examples:
+  megatron-rl convert hf-to-megatron --hf .cache/models/SmolLM2-135M-Instruct --out ckpt/step_0
+  megatron-rl convert megatron-to-hf --ckpt runs/demo_cpu/checkpoints --out runs/demo_cpu/hf"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-rl convert", description="Convert between HF and Megatron formats.")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="megatron-rl convert", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=raw)
     sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-megatron", help="HF folder → megatron-rl (dist) checkpoint")
+    a = sub.add_parser("hf-to-megatron", help="HF folder → megatron-rl (dist) checkpoint", formatter_class=raw,
+                       description="Import an HF model folder (config.json + safetensors) as a megatron-rl "
+                                   "checkpoint (megatron-core\ndist_checkpointing: it loads at any TP/PP).",
+                       epilog="example:\n  megatron-rl convert hf-to-megatron --hf MODEL_DIR --out ckpt/step_0 "
+                              "--tp 2")
     a.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
     a.add_argument("--out", required=True, help="checkpoint directory to create")
     a.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="parameter dtype in the checkpoint (auto: the HF config's dtype)")
-    a.add_argument("--step", type=int, default=0)
-    b = sub.add_parser("megatron-to-hf", help="megatron-rl checkpoint → HF folder")
+    a.add_argument("--step", type=int, default=0, help="the step number the checkpoint records (default 0)")
+    b = sub.add_parser("megatron-to-hf", help="megatron-rl checkpoint → HF folder", formatter_class=raw,
+                       description="Export a megatron-rl checkpoint as an HF folder: safetensors shards, config.json, "
+                                   "the tokenizer,\nits chat template and a model card (README.md: base model, "
+                                   "recipe, metrics up to the step).",
+                       epilog="example:\n  megatron-rl convert megatron-to-hf --ckpt runs/demo_cpu/checkpoints "
+                              "--out runs/demo_cpu/hf")
     b.add_argument("--ckpt", required=True, help="a checkpoint directory, or a root of step directories (newest)")
     b.add_argument("--out", required=True, help="HF folder to create")
     b.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
@@ -290,11 +318,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)  # before the imports: --help stays fast
     from megatron_rl.models.checkpoint import CheckpointError
     from megatron_rl.models.hf_io import WeightsError
     from megatron_rl.models.provider import UnsupportedModelError
 
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.direction == "hf-to-megatron":
             summary = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,

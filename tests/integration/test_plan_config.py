@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl import plan
-from megatron_rl.algorithms import grpo
+from megatron_rl import build
 from megatron_rl.config import load_config
+from megatron_rl.planner import search as plan
 from tests.integration import faults_inject
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def test_planned_async_config_loads_builds_and_trains(tiny_model_factory, tmp_pa
     monkeypatch.setattr(rf, "RewardFn", lambda cfg_r, kind: real(cfg_r, kind, scorer=faults_inject.pseudo_score))
     handler = signal.getsignal(signal.SIGTERM)
     try:
-        assert grpo.run(cfg) == 0
+        assert build.run(cfg) == 0
     finally:
         signal.signal(signal.SIGTERM, handler)
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -154,3 +154,28 @@ def test_packing_auto_is_the_platforms_choice(tmp_path):
     assert load_config(p, ["policy.packing=varlen"], check_model=False).policy.packing == "varlen"
     gpu = Platform("cuda", "nccl", torch.bfloat16, "triton", "cuda_ipc", "collective", False)
     assert gpu.default_packing == "varlen"
+
+
+def test_stage_chain_runs_its_stages_in_order_with_the_run_it_is_given(tmp_path):
+    """`run_chain` loads each stage (overrides on top), hands it to `run` (the CLI and the API pass `build.run`)
+    initialised from the previous stage's last checkpoint, and stops at the first non-zero status."""
+    from megatron_rl.algorithms.stages import run_chain
+
+    model = tiny_model_dir(tmp_path)
+    for name in ("a", "b"):
+        write(tmp_path, f"{name}.yaml", f"policy: {{model: {model}}}\noutput: {{dir: {tmp_path / name}}}\n"
+                                         "grpo: {max_steps: 2}\n")
+    chain = write(tmp_path, "chain.yaml", "stages:\n  - config: a.yaml\n  - config: b.yaml\n"
+                                          "    overrides: [grpo.max_steps=3]\n")
+    seen = []
+
+    def run(cfg):
+        seen.append((cfg.output.dir, cfg.init_from, cfg.grpo.max_steps, cfg.grpo.seed))
+        return 0
+
+    assert run_chain(chain, ["grpo.seed=7"], run=run) == 0
+    assert seen == [(str(tmp_path / "a"), None, 2, 7),
+                    (str(tmp_path / "b"), str(tmp_path / "a" / "checkpoints" / "step_2"), 3, 7)]
+    failed = []
+    assert run_chain(chain, [], run=lambda cfg: failed.append(cfg.output.dir) or 3) == 3
+    assert failed == [str(tmp_path / "a")]  # the second stage never starts

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from megatron_rl import plan as P
+from megatron_rl.planner import search as P
 from megatron_rl.models.provider import model_spec
-from megatron_rl.plan_presets import GPUS, MODELS
+from megatron_rl.planner.presets import GPUS, MODELS
 from megatron_rl.distributed.launch import run_distributed
 
 
@@ -237,7 +237,7 @@ _VLLM_AR_H100_US = {512: (9.5, 9.1, 10.1), 4096: (8.8, 8.5, 9.3), 32768: (8.7, 9
 
 
 def test_decode_all_reduce_follows_vllms_measured_kernel_and_nccls_tree_latency():
-    from megatron_rl.plan_model import tp_allreduce_s
+    from megatron_rl.planner.cost_model import tp_allreduce_s
 
     h100 = GPUS["h100"]
     for size, measured in _VLLM_AR_H100_US.items():

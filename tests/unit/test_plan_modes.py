@@ -6,15 +6,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl import plan as P
+from megatron_rl.planner import search as P
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.loader import validate
 from megatron_rl.config.schema import GRPOConfig, LossConfig
 from megatron_rl.distributed.parallel_dims import device_layout, layout_of
 from megatron_rl.models.provider import model_spec
-from megatron_rl.plan_config import layout_overrides, typed_config, workload_from_config
-from megatron_rl.plan_model import _straddles
-from megatron_rl.plan_presets import GPUS
+from megatron_rl.planner.recipe import layout_overrides, typed_config, workload_from_config
+from megatron_rl.planner.cost_model import _straddles
+from megatron_rl.planner.presets import GPUS
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = GPUS["h100"]

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl import plan as P
-from megatron_rl import plan_arch as A
-from megatron_rl import plan_model as M
+from megatron_rl.planner import search as P
+from megatron_rl.planner import architecture as A
+from megatron_rl.planner import cost_model as M
 from megatron_rl.config import load_config
 from megatron_rl.models.provider import model_spec
-from megatron_rl.plan_presets import GPUS, MODELS, PLAN_ONLY
+from megatron_rl.planner.presets import GPUS, MODELS, PLAN_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = GPUS["h100"]

@@ -2,7 +2,8 @@
 
 MODELS are the real architectures as HF config.json fields, so a preset goes through the same parser
 (`megatron_rl.models.provider.model_spec`) as a downloaded config. `PLAN_ONLY` holds architectures the trainer cannot
-build but whose shapes the planner can still reason about (their config.json fields, read by megatron_rl/plan_arch.py).
+build but whose shapes the planner can still reason about (their config.json fields, read by
+megatron_rl/planner/architecture.py).
 
 GPUS: memory the driver reports, dense bf16 peak, HBM bandwidth, NVLink bandwidth per GPU (one direction), the size of
 the NVLink domain (tensor parallelism stays inside it), GPUs per host, and inter-node bandwidth per GPU.
@@ -67,7 +68,7 @@ MODELS: dict[str, dict] = {
 }
 
 # Architectures the trainer cannot build, as their config.json fields; the planner reads them itself
-# (megatron_rl/plan_arch.py says what it approximates).
+# (megatron_rl/planner/architecture.py says what it approximates).
 PLAN_ONLY: dict[str, dict] = {
     # deepseek-ai/DeepSeek-V3: MLA attention, 3 dense layers then 58 MoE layers of 1 shared + 256 routed experts
     # (width 2048), top 8; 671.0B parameters without the multi-token-prediction module, 37.6B active

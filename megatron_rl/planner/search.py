@@ -21,7 +21,7 @@ Only layouts the runtime builds are proposed: the rules are the loader's and bui
 check_expert_split). The planner adds one of its own: tensor parallelism stays inside a GPU's NVLink domain, except
 a vLLM engine whose weights one domain cannot hold (it then spans whole domains).
 
---write-config OUT writes the best layout as a config that inherits --base (megatron_rl/plan_config.py), after the
+--write-config OUT writes the best layout as a config that inherits --base (megatron_rl/planner/recipe.py), after the
 config loader accepted it; `megatron-rl train OUT` runs it. Workload flags become config keys:
 """
 from __future__ import annotations
@@ -33,17 +33,17 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_rl import plan_model
 from megatron_rl.distributed.parallel_dims import (
     check_engine_split, check_expert_split, check_policy_split, check_staleness,
 )
-from megatron_rl.plan_arch import active_params, arch_of, deepseek_v3_arch, pp_problem, total_params
-from megatron_rl.plan_model import (  # noqa: F401  (re-exported: the planner's model is part of its API)
+from megatron_rl.planner import cost_model
+from megatron_rl.planner.architecture import active_params, arch_of, deepseek_v3_arch, pp_problem, total_params
+from megatron_rl.planner.cost_model import (  # noqa: F401  (re-exported: the planner's model is part of its API)
     EAGER_LAUNCH_S_PER_LAYER, GiB, Infeasible, Plan, Workload, act_bytes_per_token_layer, evaluate,
     fwd_flops_per_token, generation_time, kv_bytes_per_token, matmul_params, stage_params,
     train_memory, train_side_times, usable_bytes, vllm_weight_bytes,
 )
-from megatron_rl.plan_presets import GPU, GPUS, MODELS, PLAN_ONLY
+from megatron_rl.planner.presets import GPU, GPUS, MODELS, PLAN_ONLY
 
 TP_SIZES = (1, 2, 4, 8)
 
@@ -182,8 +182,8 @@ def resolve_model(name: str):
         return key, model_spec(MODELS[key]), ""
     if key in PLAN_ONLY:
         return key, deepseek_v3_arch(PLAN_ONLY[key]), (f"{key}: planning only (the trainer does not build this "
-                                                        "architecture; megatron_rl/plan_arch.py says what the "
-                                                        "planner approximates)")
+                                                        "architecture; megatron_rl/planner/architecture.py says "
+                                                        "what the planner approximates)")
     if Path(name).exists():
         return name, model_spec(name), ""
     raise Infeasible(f"unknown model {name!r}: give a path to an HF config.json (or its folder) or one of "
@@ -205,10 +205,10 @@ def _table(plans: list[Plan]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_rl.plan_config import WORKLOAD_KEYS
+    from megatron_rl.planner.recipe import WORKLOAD_KEYS
 
     keys = "\n".join(f"  {flag:<38} {key}" for flag, key in WORKLOAD_KEYS.items())
-    ap = argparse.ArgumentParser(prog="megatron-rl plan", description=f"{__doc__}{keys}\n\n{plan_model.__doc__}",
+    ap = argparse.ArgumentParser(prog="megatron-rl plan", description=f"{__doc__}{keys}\n\n{cost_model.__doc__}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="preset name or HF config.json / model folder")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in the job (trainer and vLLM together)")
@@ -250,7 +250,7 @@ def _mode(args, recipe) -> tuple[bool, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_rl.plan_config import (
+    from megatron_rl.planner.recipe import (
         CLI_DEFAULTS, layout_overrides, model_overrides, typed_config, workload_from_config, workload_overrides,
         write_config,
     )
@@ -324,8 +324,8 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
     print(f"best, step time (s): {parts} = {best.step_s:.1f}")
     if not colocated:
         print(f"  train on {best.train_gpus} GPUs, generate on {best.gen_gpus}")
-    moe = f" (routed experts {plan_model.MOE_MFU:.2f})" if a.moe else ""
-    print(f"estimates: MFU {plan_model.MFU:.2f}{moe}, decode at {plan_model.DECODE_BW_EFF:.0%} of HBM bandwidth; see "
+    moe = f" (routed experts {cost_model.MOE_MFU:.2f})" if a.moe else ""
+    print(f"estimates: MFU {cost_model.MFU:.2f}{moe}, decode at {cost_model.DECODE_BW_EFF:.0%} of HBM bandwidth; see "
           "`megatron-rl plan --help` for the model")
 
 

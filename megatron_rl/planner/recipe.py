@@ -23,8 +23,8 @@ from megatron_rl.config.loader import (
     ConfigError, apply_overrides, from_dict, load_config, read_yaml_tree, resolve_model_dir,
 )
 from megatron_rl.config.schema import Config
-from megatron_rl.plan_model import Infeasible, Plan, Workload
-from megatron_rl.plan_presets import GPU
+from megatron_rl.planner.cost_model import Infeasible, Plan, Workload
+from megatron_rl.planner.presets import GPU
 
 # command-line flag -> the config keys it sets (documentation for --help; `workload_overrides` applies them)
 WORKLOAD_KEYS = {

@@ -1,6 +1,6 @@
 """The planner's model: memory per GPU and the time of one GRPO step for a given layout (pure arithmetic).
 
-`megatron-rl plan` (megatron_rl/plan.py) searches layouts with it; this text is part of its `--help`.
+`megatron-rl plan` (megatron_rl/planner/search.py) searches layouts with it; this text is part of its `--help`.
 
 Memory per GPU (training ranks; bf16 weights, Megatron mixed precision):
   weights 2 B/param + fp32 gradient buffer 4 B/param + Adam state (fp32 master, m, v) 12 B/param, the last sharded
@@ -18,7 +18,7 @@ Memory per GPU (training ranks; bf16 weights, Megatron mixed precision):
   to vLLM's weights (2 B/param / gen-TP); the KV cache gets what is left and must hold one --seq-len sequence. Both
   moves cross PCIe every step (25 GB/s assumed). Disaggregated: vLLM's GPUs hold only vLLM.
   reserve: 2.5 GiB + 5% per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
-  mixture of experts (megatron_rl/plan_arch.py): memory counts all parameters, routed experts sharded over EP
+  mixture of experts (megatron_rl/planner/architecture.py): memory counts all parameters, routed experts sharded over EP
   (expert parallelism, ep | experts and ep | dp, as in megatron-core) and their optimizer state over dp/ep; an MoE
   layer keeps its top-k expert activations and the dispatched token copies per token.
 Phase times:
@@ -61,11 +61,11 @@ from megatron_rl.config.schema import GenerationConfig, GRPOConfig
 from megatron_rl.distributed.parallel_dims import (
     check_engine_split, check_expert_split, check_policy_split, device_layout,
 )
-from megatron_rl.plan_arch import (  # noqa: F401  (re-exported: the planner's model is part of its API)
+from megatron_rl.planner.architecture import (  # noqa: F401  (re-exported: the planner's model is part of its API)
     act_bytes_per_token_layer, arch_of, decode_weight_bytes, expert_matmul_params, kv_bytes_per_token,
     layer_matmul_params, matmul_params, pp_problem, stage_layers, stage_param_split, vllm_weight_bytes,
 )
-from megatron_rl.plan_presets import GPU
+from megatron_rl.planner.presets import GPU
 
 GiB = 2**30
 MFU = 0.40  # achieved/peak bf16 for Megatron dense training and forward passes at h >= 4096 (RL packing included)
@@ -174,7 +174,7 @@ def step_time(times: dict, *, max_staleness: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# architecture arithmetic (megatron_rl/plan_arch.py: dense and MoE parameter, activation and KV counts)
+# architecture arithmetic (megatron_rl/planner/architecture.py: dense and MoE parameter, activation and KV counts)
 # ---------------------------------------------------------------------------------------------------------------
 
 def stage_params(spec, tp: int = 1, pp: int = 1, ep: int = 1) -> list[int]:
