@@ -155,6 +155,7 @@ class Plan:
     bound: str = ""
     eager_decode: bool = False  # the decode estimate is for vLLM without CUDA graphs (generation.enforce_eager)
     vllm_gib: float = 0.0  # one vLLM rank's weights + KV cache: what generation.gpu_memory_utilization must allow
+    handover_gib: dict = field(default_factory=dict)  # colocated: GiB per GPU at each handover phase (handover_memory)
 
     @property
     def total_gpus(self) -> int:
@@ -217,6 +218,16 @@ def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload,
             best = parts
     static = best["weights"] + best["grads"] + best["optimizer"]
     return {k: v / GiB for k, v in best.items()}, static
+
+
+def handover_memory(mem: dict, vllm_w: float, model_w: float, colocated: bool) -> dict:
+    """GiB per GPU at the colocated handover's phases (the runtime's order, algorithms/handover.py): train holds the
+    trainer's whole state (`train_memory`'s breakdown) and nothing of vLLM's (level-2 sleep); the refit holds the
+    trainer's weights only, vLLM's weights and the refit buffer (the whole model: CUDA IPC exports one flat copy per
+    engine GPU); generate is vLLM's alone (`evaluate` adds its KV cache). Disaggregated: nothing is shared."""
+    if not colocated:
+        return {}
+    return {"train": sum(mem.values()), "refit": mem["weights"] + (vllm_w + model_w) / GiB}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -384,9 +395,12 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
     if train_peak > usable:
         return f"training needs {train_peak / GiB:.1f} GiB per GPU (usable {usable / GiB:.1f})"
     vllm_w = vllm_weight_bytes(spec, gen_tp)
-    # colocated: PolicyWorker.offload moves weights and optimizer state to the host while vLLM runs; the fp32
-    # gradient buffer stays
-    resident = mem["grads"] * GiB if colocated else 0.0
+    # colocated: the trainer's whole state leaves the device while vLLM runs (weights and optimizer state to the
+    # host, the gradient buffers released: policy/residency.py), so generation has the device to itself
+    resident = 0.0
+    # reported, not (yet) refused: the refit buffer holds the whole model until the engine has loaded it, which
+    # large models do not fit beside the weights (docs/gpu.md, the memory plan); `search._report` says so
+    handover = handover_memory(mem, vllm_w, vllm_weight_bytes(spec, 1), colocated)
     free = usable - vllm_w - resident
     if wl.gpu_memory_utilization is not None:  # a fixed vLLM budget: the KV cache gets what the weights leave of it
         free = min(free, wl.gpu_memory_utilization * gpu.memory_gib * GiB - vllm_w)
@@ -417,7 +431,8 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
     p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, max_staleness=max_staleness, ep=ep,
              memory_gib=mem, train_peak_gib=train_peak / GiB, gen_peak_gib=(resident + vllm_w + kv_bytes) / GiB,
              kv_gib=kv_bytes / GiB, kv_tokens=kv_tokens, concurrency=gen["concurrency"], seqs_per_instance=gen["seqs"],
-             times_s=times, step_s=step, eager_decode=wl.enforce_eager, vllm_gib=(vllm_w + kv_bytes) / GiB)
+             times_s=times, step_s=step, eager_decode=wl.enforce_eager, vllm_gib=(vllm_w + kv_bytes) / GiB,
+             handover_gib={**handover, "generate": (vllm_w + kv_bytes) / GiB} if colocated else {})
     p.tokens_per_s_per_gpu = wl.samples * wl.mean_len / step / p.total_gpus
     p.bound = _bound(p, gen, side, usable)
     return p

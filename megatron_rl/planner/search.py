@@ -315,6 +315,13 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
     best = plans[0]
     print("best, memory of the fullest GPU (GiB): " + " + ".join(f"{k} {v:.1f}" for k, v in best.memory_gib.items())
           + f" = {best.train_peak_gib:.1f} of {usable_bytes(gpu) / GiB:.1f} usable")
+    if best.handover_gib:
+        h, room = best.handover_gib, usable_bytes(gpu) / GiB
+        print(f"best, colocated handover per GPU (GiB): train {h['train']:.1f} (trainer only), refit {h['refit']:.1f} "
+              f"(trainer's weights + vLLM's + the refit buffer), generate {h['generate']:.1f} (vLLM + KV cache)")
+        if h["refit"] > room:
+            print(f"  warning: the refit needs {h['refit']:.1f} of {room:.1f} usable GiB: its buffer holds the whole "
+                  "model until vLLM has loaded it (bucket streaming is not built yet); prefer --disaggregated")
     t = best.times_s
     if best.max_staleness:
         parts = (f"max(generate {t['generate']:.1f}, logprobs {t['logprobs']:.1f} + train {t['train']:.1f}) "
