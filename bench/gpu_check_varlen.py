@@ -27,6 +27,7 @@ LAYOUTS = {"padded": (False, False), "varlen": (False, True), "varlen_cascade": 
 # that and is far below what a wrong Delta, mask or prefix sum gives (1e-1 to 1 for Delta read from the wrong rows,
 # in that emulation). fp32 (3xTF32 on sm80+, fp32 on CPU; 1e-6 on CPU): 1e-4 leaves the same kind of room.
 OP_BOUNDS = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+LAYOUT_MEAN_BOUND = 0.05  # nats: mean |logprob(layout) - logprob(padded)| over every token, same weights (bf16)
 
 
 def _segment_reference(q, k, v, starts, lengths, prefix_of, scale):
@@ -115,6 +116,8 @@ def varlen_train(check) -> dict:
             res = out["layouts"][name]
             res["max_logprob_diff_vs_padded"] = max(float((lps[name][i] - lps["padded"][i]).abs().max())
                                                     for i in range(len(batch)))
+            diffs = torch.cat([(lps[name][i] - lps["padded"][i]).abs().float() for i in range(len(batch))])
+            res["mean_logprob_diff_vs_padded"] = float(diffs.mean())
             losses, times = zip(*[check._step() for _ in range(1 + sh["steps"])])
             res.update(first_step_s=times[0], step_s=list(times[1:]), loss=list(losses),
                        tokens_per_s=out["sequence_tokens"] / statistics.median(times[1:]))
@@ -129,7 +132,11 @@ def varlen_train(check) -> dict:
         check.batch = train_batch
     out.update(op_checks(plat.device(), **sh["cascade_op"]))
     over = over_bounds(out)
+    # the same weights in another row layout: bf16 rounding moves single tokens (0.43 at most measured on CPU,
+    # SmolLM2-135M, bf16), a wrong mask, position or prefix moves them all; the mean is what is bounded
+    over += [f"{n}: mean logprob diff vs padded {r['mean_logprob_diff_vs_padded']:.3g} > {LAYOUT_MEAN_BOUND}"
+             for n, r in out["layouts"].items() if r["mean_logprob_diff_vs_padded"] > LAYOUT_MEAN_BOUND]
     if over:  # failed as gpu_check records a failure, keeping this section's numbers beside it
-        out["error"] = "packed attention op vs fp64 reference over its bound (relative to the largest value): " + \
+        out["error"] = "over its bound (op: relative to the largest value vs fp64; layouts: mean nats): " + \
             "; ".join(over)
     return out

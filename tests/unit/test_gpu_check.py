@@ -61,6 +61,7 @@ def test_gpu_check_dry_run(tmp_path):
     fed = {name: r["tokens_fed"] for name, r in vl["layouts"].items()}
     assert fed["varlen"] == vl["sequence_tokens"] < fed["padded"] and fed["varlen_cascade"] < fed["varlen"]
     assert all(r["max_logprob_diff_vs_padded"] < 0.1 for r in vl["layouts"].values())  # bf16, same weights
+    assert all(r["mean_logprob_diff_vs_padded"] <= 0.05 for r in vl["layouts"].values())  # the section's bound
     assert vl["cascade_op"]["float32"]["out"] < 1e-5 and vl["cascade_op"]["float32"]["dq"] < 1e-4
     assert vl["cascade_op"]["bfloat16"]["out"] < 0.05
     for row in ("cascade_op", "varlen_op"):  # the packed op vs per-segment fp64 attention, each within its bound
