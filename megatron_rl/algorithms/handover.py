@@ -12,8 +12,8 @@ resident at each phase (`memory_plan`, the highest seen); the first prints it (d
 
 The engine sleeps at `generation.sleep_level` (default 2: its weights are discarded, not copied to host and back,
 since the refit rewrites every one of them). A step that trains nothing skips its refit; under level 2 the engine's
-weights are then gone, so `to_generator` refits them first (same weights, next version) while the trainer is
-still resident.
+weights are then gone, so `to_generator` refits them first (the same weights as the same version) while the trainer
+is still resident.
 
 The trainer's state and the engine's KV cache are never resident together; the engine's weights and the trainer
 are, during the refit only. Checkpoints are written between `to_trainer` and `to_generator` (the trainer's state
@@ -99,7 +99,7 @@ class Handover:
     def to_generator(self) -> None:
         if self.colocated and self.trainer_holds_device:
             if not self._engine_has_weights:  # a step without a refit, after a level-2 sleep (module docstring)
-                self.refit()
+                self.refit(restore=True)
 
             def move():
                 self.policy.offload()
@@ -126,9 +126,11 @@ class Handover:
         for k, v in row.items():
             seen[k] = max(seen.get(k, 0), v)
 
-    def refit(self) -> float:
+    def refit(self, restore: bool = False) -> float:
         """Stream the trainer's weights into the engine as the next version; the trainer must hold the device.
-        Returns the seconds it took (waking the engine's weights included)."""
+        `restore`: the weights have not changed since the engine's version, which a level-2 sleep discarded: send them
+        again as that same version (the engine accepts it, its own version being undefined then). Returns the seconds
+        it took (waking the engine's weights included)."""
         if not self.trainer_holds_device:
             raise LifecycleError("refit needs the trainer's weights resident: to_trainer() first")
         t0 = time.perf_counter()
@@ -136,7 +138,8 @@ class Handover:
             self._record("train", self.policy.memory_report())
             self.policy.offload_train_state()
             self.generator.wake_up(["weights"])
-        handle = self.policy.send_weights(self.version + 1, self.transport, self.bucket_bytes,
+        version = self.version if restore else self.version + 1
+        handle = self.policy.send_weights(version, self.transport, self.bucket_bytes,
                                           self.senders if self.colocated else None)
         try:
             if self.colocated:
@@ -151,7 +154,7 @@ class Handover:
         finally:
             # CUDA IPC: the sender's flat copy of the model must not stay allocated through generation
             self.policy.release_refit()
-        self.version += 1
+        self.version = version
         self._engine_has_weights = True
         return time.perf_counter() - t0
 
