@@ -27,6 +27,6 @@ def main(extra: list[str]) -> None:
     print(f"{hf}: pass@1 {result['val_accuracy']:.4f}, pass@2 {result['val_pass_at_k']:.4f}")
 
 
-# the guard matters: worker processes (the reward verifiers, the conversion's ranks) import this file again
+# the guard matters: spawned worker processes (the conversion's ranks) import this file again
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -9,8 +9,9 @@
 They run the CLI's own code paths (the config loader, `build.run` or a stage chain, `algorithms.evaluate`)
 and raise instead of printing: `ConfigError` for a bad config or a tracker whose package is missing,
 `TrainingError` when a run stops with a non-zero status. In a script, call them under `if __name__ == "__main__":`:
-the worker processes a run starts (reward verifiers, conversion ranks) import the main script again, as every
-multiprocessing program's do. Notebooks need nothing.
+spawned helper processes (conversion ranks) import the main script again, as every multiprocessing program's do
+(the reward verifiers never do). Notebooks, the REPL and `python -` need nothing: a main that is no file is not
+re-run (`megatron_rl.mp_main`).
 """
 from __future__ import annotations
 

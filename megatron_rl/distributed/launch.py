@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from megatron_rl.mp_main import main_hidden
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -64,8 +66,9 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with main_hidden():  # `python -`, a notebook: the ranks cannot re-run that main (fn must be importable anyway)
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     import queue as _q

@@ -14,12 +14,14 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Optional, Sequence
 
+from megatron_rl.mp_main import main_hidden
 from megatron_rl.rewards import worker
 
 _PRELOAD = ["megatron_rl.rewards._preload"]
@@ -33,7 +35,7 @@ def _mp_context():
         ctx = multiprocessing.get_context("forkserver")
     except ValueError:  # platforms without fork
         return multiprocessing.get_context("spawn")
-    # no "__main__" in the list: a training script without an `if __name__ == "__main__"` guard is not re-run
+    # no "__main__" in the list: the forkserver does not run the trainer's main either (see TimeoutPool._start)
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
@@ -56,30 +58,64 @@ class TimeoutPool:
     def _start(self) -> None:
         ctx = _mp_context()
         ready, go = ctx.SimpleQueue(), ctx.Event()
-        pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx, initializer=worker.init_worker,
-                                   initargs=(self.memory_mb, self.warm, ready, go, os.getpid()))
-        # workers are launched on demand (one per submit while none is idle), so submit one blocking start-up
-        # task per worker, and only release them once every worker has run its initializer: start-up never
-        # counts against a real task's deadline
-        holds = [pool.submit(worker.hold_until_all_started, _STARTUP_TIMEOUT_S) for _ in range(self.num_workers)]
+        warm = [(f.__module__, f.__qualname__) for f in self.warm]  # imported by name in the worker: see init_worker
+        # the workers never re-run the trainer's main module: all they run is named by importable modules, a
+        # script would repeat its imports in every worker, and a main that is no file (`python -`, a notebook)
+        # cannot be re-run at all. Workers are launched on demand, by submit: every launch is inside this block.
+        with main_hidden(always=True):
+            pool = ProcessPoolExecutor(max_workers=self.num_workers, mp_context=ctx, initializer=worker.init_worker,
+                                       initargs=(self.memory_mb, warm, ready, go, os.getpid()))
+            # submit one blocking start-up task per worker (while none is idle, each submit launches another
+            # process), and only release them once every worker has run its initializer: start-up never counts
+            # against a real task's deadline
+            holds = [pool.submit(worker.hold_until_all_started, _STARTUP_TIMEOUT_S) for _ in range(self.num_workers)]
+        procs = dict(getattr(pool, "_processes", None) or {})  # a broken pool forgets them; their exit codes tell
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        started = 0
-        while started < self.num_workers and time.monotonic() < deadline:
-            if any(h.done() and h.exception() is not None for h in holds):
-                break  # a worker died during start-up (initializer failed): the pool is broken
+        started, failure = 0, None
+        while started < self.num_workers and failure is None and time.monotonic() < deadline:
             if ready.empty():
+                if any(h.done() and h.exception() is not None for h in holds):
+                    # the pool broke; a worker that failed in its initializer reported before exiting
+                    failure = ready.get() if not ready.empty() else ("", None, None)
+                    break
                 time.sleep(0.005)
                 continue
-            ready.get()
-            started += 1
+            msg = ready.get()
+            if msg[1] is None:
+                started += 1
+            else:
+                failure = msg
         go.set()
-        ok = started == self.num_workers and not wait(holds, timeout=max(1.0, deadline - time.monotonic()))[1]
-        ready.close()
-        if not ok or any(h.exception() is not None for h in holds):
+        ok = (failure is None and started == self.num_workers
+              and not wait(holds, timeout=max(1.0, deadline - time.monotonic()))[1]
+              and not any(h.exception() is not None for h in holds))
+        if not ok:
+            exitcodes = {pid: p.exitcode for pid, p in procs.items()}
             self._kill(pool)
-            raise RuntimeError("reward verifier workers failed to start (is reward.worker_memory_mb="
-                               f"{self.memory_mb} too small to import sympy?)")
+            ready.close()
+            raise RuntimeError(self._startup_error(failure, exitcodes, started))
+        ready.close()
         self._pool = pool
+
+    def _startup_error(self, failure, exitcodes: dict, started: int) -> str:
+        """The worker's own exception when it reported one; else how it died. The memory hint only where memory
+        was the cause: a MemoryError, or a SIGKILL (the kernel's OOM killer) before it reported."""
+        head = "reward verifier workers failed to start"
+        hint = (f" (reward.worker_memory_mb={self.memory_mb} limits each worker's address space; raise it if the "
+                "verifier libraries need more)")
+        if failure and failure[1] is not None:
+            pid, kind, tail = failure
+            return f"{head}: worker {pid} raised {kind}{hint if kind == 'MemoryError' else ''}:\n{tail}"
+        dead = {pid: c for pid, c in exitcodes.items() if c not in (None, 0)}
+        # a broken pool terminates its other workers: the one that died first is not among those
+        dead = {pid: c for pid, c in dead.items() if c != -signal.SIGTERM} or dead
+        if dead:
+            killed = any(c == -signal.SIGKILL for c in dead.values())
+            codes = ", ".join(f"worker {pid} exit status {c}" for pid, c in dead.items())
+            return (f"{head}: {codes} before it ran its initializer (its traceback, if it printed one, is on this "
+                    f"process's stderr){hint if killed else ''}")
+        return (f"{head}: {started} of {self.num_workers} reported ready within {_STARTUP_TIMEOUT_S:.0f}s (a loaded "
+                "machine, or a worker stuck importing)")
 
     @staticmethod
     def _kill(pool: ProcessPoolExecutor) -> None:

@@ -7,6 +7,7 @@ checked by `math_answer` (same rule: math-verify is imported inside its function
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import select
 import signal
 import threading
 import time
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_rl.rewards.extract import extract_answer, is_well_formed
@@ -48,12 +50,32 @@ def _exit_with(owner_pid: int) -> None:
     os._exit(0)
 
 
-def init_worker(memory_mb: int, warm: Sequence[Callable], ready: Any, go: Any, owner_pid: int = 0) -> None:
+def init_worker(memory_mb: int, warm: Sequence[tuple[str, str]], ready: Any, go: Any, owner_pid: int = 0) -> None:
     """Per-worker setup: an address-space limit (a runaway expansion raises MemoryError here instead of swapping
-    the host), no SIGINT (Ctrl-C is the trainer's to handle; it then shuts the pool down). `warm` are the task
-    functions this pool will run: receiving them imported their modules already. Reporting on `ready` last lets
-    the parent wait until every worker is fully up before any task's deadline starts."""
+    the host), no SIGINT (Ctrl-C is the trainer's to handle; it then shuts the pool down). `warm` names (module,
+    qualname) the task functions this pool will run: they are imported here, not unpickled with the process, so
+    that a scorer whose module fails to import is reported like any other start-up failure. Reporting on `ready`
+    last lets the parent wait until every worker is fully up before any task's deadline starts.
+
+    A failure is sent on `ready` as (pid, exception type, traceback tail) before it is re-raised: the pool only
+    sees its worker vanish, and the worker's stderr may be a notebook's or nobody's."""
+    try:
+        _init_worker(memory_mb, warm, go, owner_pid)
+    except BaseException as e:
+        ready.put((os.getpid(), type(e).__name__, _traceback_tail()))
+        raise
+    ready.put((os.getpid(), None, None))
+
+
+def _traceback_tail(max_chars: int = 3000) -> str:
+    tb = traceback.format_exc()
+    return tb if len(tb) <= max_chars else "..." + tb[-max_chars:]
+
+
+def _init_worker(memory_mb: int, warm: Sequence[tuple[str, str]], go: Any, owner_pid: int) -> None:
     global _GO
+    for module, qualname in warm:
+        resolve(module, qualname)
     if memory_mb and memory_mb > 0:
         limit = int(memory_mb) * 2 ** 20
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -63,11 +85,21 @@ def init_worker(memory_mb: int, warm: Sequence[Callable], ready: Any, go: Any, o
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # math-verify warns that its own (signal-based) timeouts are off: we time out around it instead
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    del warm
     if owner_pid:
         threading.Thread(target=_exit_with, args=(owner_pid,), daemon=True, name="owner-watchdog").start()
     _GO = go
-    ready.put(os.getpid())
+
+
+def resolve(module: str, qualname: str) -> Callable:
+    """The function pickle would find by this name (workers never run the trainer's main module, so a function
+    of `__main__` is not there: say so instead of pickle's bare AttributeError)."""
+    if module == "__main__":
+        raise ValueError(f"{qualname}: a reward worker runs module-level functions of importable modules, not of "
+                         "the main script or notebook; move it into a module")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def hold_until_all_started(timeout_s: float) -> int:

@@ -18,6 +18,7 @@ from megatron_rl.rewards import (
 )
 from megatron_rl.rewards.extract import extract_answer_with_source, has_latex
 from megatron_rl.rewards import worker
+from megatron_rl.rewards.pool import TimeoutPool
 
 TIMEOUT = 1.0
 SLACK = 2.5  # kill grace (1 s) + pool replacement + a loaded 2-core machine
@@ -241,6 +242,41 @@ def test_worker_memory_limit(math_reward):
     rewards, stats = math_reward.score([item("1")] * 2, ["ALLOC", "<answer>1</answer>"])
     assert rewards == pytest.approx([0.0, 1.1])
     assert stats["num_errors"] == 1 and stats["num_timeouts"] == 0
+
+
+def scorer_of_a_missing_module(payload):  # its __module__ is rewritten below: the worker cannot import it
+    return worker.score_sample(payload)
+
+
+def test_worker_start_up_failure_reports_the_workers_own_exception(monkeypatch):
+    # a verifier whose module does not import in the worker (a dependency missing there): the message carries the
+    # worker's traceback, not a guess about memory
+    monkeypatch.setattr(scorer_of_a_missing_module, "__module__", "verifier_dependency_not_installed")
+    pool = TimeoutPool(1, 2048, warm=(scorer_of_a_missing_module,))
+    try:
+        with pytest.raises(RuntimeError) as e:
+            pool.map(scorer_of_a_missing_module, [{}], TIMEOUT)
+    finally:
+        pool.close()
+    msg = str(e.value)
+    assert "failed to start" in msg and "raised ModuleNotFoundError" in msg, msg
+    assert "No module named 'verifier_dependency_not_installed'" in msg and "Traceback" in msg, msg
+    assert "worker_memory_mb" not in msg, msg
+
+
+def test_start_up_error_gives_the_memory_hint_only_for_memory():
+    pool = TimeoutPool(2, 512)
+    mem = pool._startup_error((11, "MemoryError", "Traceback ...\nMemoryError\n"), {}, 0)
+    assert "raised MemoryError" in mem and "reward.worker_memory_mb=512" in mem
+    imp = pool._startup_error((11, "ImportError", "Traceback ...\nImportError: x\n"), {}, 0)
+    assert "ImportError: x" in imp and "worker_memory_mb" not in imp
+    # died before reporting: the OOM killer's SIGKILL earns the hint, a plain exit does not; the sibling the
+    # broken pool terminated is not blamed
+    oom = pool._startup_error(None, {11: -signal.SIGKILL, 12: -signal.SIGTERM}, 0)
+    assert "worker 11 exit status -9" in oom and "worker 12" not in oom and "worker_memory_mb=512" in oom
+    died = pool._startup_error(("", None, None), {11: 1, 12: None}, 0)
+    assert "worker 11 exit status 1" in died and "worker_memory_mb" not in died
+    assert "1 of 2 reported ready" in pool._startup_error(None, {11: None, 12: None}, 1)
 
 
 @pytest.mark.parametrize("kind", ["math", "reasoning_gym"])
