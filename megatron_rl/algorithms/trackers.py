@@ -3,8 +3,8 @@
 Both are optional extras (`pip install -e '.[wandb]'`, `'.[mlflow]'`). Each receives exactly the records written to
 metrics.jsonl, under the same names (numbers only: booleans as 0/1; null, i.e. non-finite, values are left out),
 with `step` as the x-axis; the kept completions of samples.jsonl as a table per step and split (W&B: a Table
-`samples/<split>`; MLflow: a markdown artifact `samples/<split>_step_<N>.md`); the resolved config as the run's parameters; and metrics.png as an artifact when the run
-ends. Every start of `megatron-rl train` opens a new tracker run named after output.dir: a resumed training shows
+`samples/<split>`; MLflow: a markdown artifact `samples/<split>_step_<N>.md`); the resolved config as the run's
+parameters; and metrics.png as an artifact when the run ends. Every start of `megatron-rl train` opens a new tracker run named after output.dir: a resumed training shows
 up as a second run, and metrics.jsonl stays the one complete history. That a configured tracker's package is installed
 is a pre-flight check (`config/preflight.py: require_trackers`), made before anything starts.
 """

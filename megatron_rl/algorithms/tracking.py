@@ -1,5 +1,6 @@
 """What a run leaves behind for people and tools: metrics.jsonl, samples.jsonl (`algorithms/samples.py`), TensorBoard
-events, PNG plots, a progress bar, and the experiment trackers of `algorithms/trackers.py` (W&B, MLflow), which get every record metrics.jsonl gets.
+events, PNG plots, a progress bar, and the experiment trackers of `algorithms/trackers.py` (W&B, MLflow), which get
+every record metrics.jsonl gets.
 
 metrics.jsonl holds one flat JSON object per step (tests/integration/test_grpo.py pins its keys); resuming appends,
 after dropping lines for steps past the checkpoint the run resumed from, so the file always describes one consistent
