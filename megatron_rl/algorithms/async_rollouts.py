@@ -100,7 +100,8 @@ class RolloutPipeline:
 
 def rollout_to_state(r: SampledRollout) -> dict:
     g = r.groups
-    payloads = [[dataclasses.asdict(item), [[list(tok), list(lps), text, finish] for tok, lps, text, finish in samples]]
+    # a sample is (tokens, logprobs, text, finish reason[, extracted answer]): the answer is absent in older states
+    payloads = [[dataclasses.asdict(item), [[list(s[0]), list(s[1]), *s[2:]] for s in samples]]
                 for item, samples in g.payloads]
     return {"step": r.step, "weights_step": r.weights_step, "sampling_s": r.sampling_s, "payloads": payloads,
             "rewards": g.rewards, "rounds": g.rounds, "num_drawn": g.num_drawn, "num_dropped": g.num_dropped,

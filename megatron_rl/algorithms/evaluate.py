@@ -14,7 +14,8 @@ import time
 
 
 def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: float, top_p: float, max_tokens: int,
-             version: int | None = None, seed: int = 0) -> dict:
+             version: int | None = None, seed: int = 0, keep: int = 0) -> dict:
+    """keep: also return the first `keep` items' first samples as samples.jsonl records (step 0: the caller's)."""
     kw = dict(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens, seed=seed)
     if version is not None:
         kw["expected_version"] = version
@@ -23,9 +24,17 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
     rewards, stats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
     correct = [r >= 1.0 for r in rewards]
     per_prompt = [any(correct[k] for k in res.for_prompt(i)) for i in range(len(items))]
-    return {"val_accuracy": sum(correct) / max(len(correct), 1),
+    out = {"val_accuracy": sum(correct) / max(len(correct), 1),
             "val_pass_at_k": sum(per_prompt) / max(len(per_prompt), 1),
             "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))]}
+    if keep > 0:
+        from megatron_rl.algorithms.samples import sample_record
+
+        answers = stats.get("answers") or [None] * len(texts)
+        firsts = [(i, res.for_prompt(i)[0]) for i in range(min(keep, len(items)))]
+        out["samples"] = [sample_record(0, "val", i, 0, items[i], texts[k], answers[k], rewards[k],
+                                        res.finish_reasons[k]) for i, k in firsts]
+    return out
 
 
 EPILOG = """\

@@ -26,6 +26,7 @@ from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
+from megatron_rl.algorithms.samples import pick_train_samples
 from megatron_rl.algorithms.trainable import rescale_metrics, trainable_part, why_not_skippable
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
 from megatron_rl.algorithms.trackers import start_trackers
@@ -43,10 +44,12 @@ class EmptyStepsAbort(RuntimeError):
     pass
 
 
-def _validate(cfg: Config, c, t_start: float) -> dict:
+def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> dict:
+    """Greedy accuracy (and pass@k) on the held-out items; their first completions go to samples.jsonl."""
     g = cfg.generation
     greedy = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=1, temperature=0.0, top_p=1.0,
-                      max_tokens=g.max_new_tokens, version=c.handover.version)
+                      max_tokens=g.max_new_tokens, version=c.handover.version, keep=cfg.logging.samples_per_step)
+    tracker.log_samples(step, "val", [{**r, "step": step} for r in greedy.get("samples", [])])
     out = {"val_accuracy": greedy["val_accuracy"]}
     if cfg.grpo.val_pass_k > 0:
         sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
@@ -117,9 +120,10 @@ def _resume(cfg: Config, c, latest: Path | None) -> tuple[int, dict]:
 
 
 def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: SampledRollout | None = None,
-               before_refit=None, weights_step: int | None = None) -> dict:
+               before_refit=None, weights_step: int | None = None, samples: list | None = None) -> dict:
     """One GRPO step; returns the metrics record (without validation). `checkpoint()`, when given, runs while the
-    trainer holds the device (after the refit, before the handover back to the generator).
+    trainer holds the device (after the refit, before the handover back to the generator). `samples`, when given,
+    receives logging.samples_per_step of the step's completions (`samples.pick_train_samples`).
 
     Synchronous: the rollout is sampled here, from the weights of step `weights_step` (default step - 1). Async
     (`async_rollouts.RolloutPipeline`): the rollout comes sampled, and `before_refit()` joins the background sampling
@@ -129,6 +133,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     if rollout is None:
         rollout = sample_step(cfg, c, step, step - 1 if weights_step is None else weights_step)
     groups, gstats = rollout.groups, rollout.stats
+    if samples is not None:
+        samples.extend(pick_train_samples(groups, cfg.logging.samples_per_step, step))
     # steps between the weights that generated the rollout and the weights it trains (0 when synchronous)
     staleness = (step - 1 if weights_step is None else weights_step) - rollout.weights_step
     if staleness > cfg.grpo.max_staleness:
@@ -260,9 +266,9 @@ def train_loop(cfg: Config, c, point, *, t_start: float) -> int:
         c.handover.to_generator()
         tracker = Tracker(out, resume_step=start, total_steps=cfg.grpo.max_steps, tensorboard=cfg.logging.tensorboard,
                           plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every,
-                          sinks=start_trackers(cfg, out))
+                          sinks=start_trackers(cfg, out), samples=cfg.logging.samples_per_step > 0)
         if start == 0 and c.val_items:
-            base = _validate(cfg, c, t_start)
+            base = _validate(cfg, c, t_start, 0, tracker)
             tracker.log_validation(0, base)
             passk = f", pass@{cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}" if "val_pass_at_k" in base else ""
             print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
@@ -282,9 +288,12 @@ def train_loop(cfg: Config, c, point, *, t_start: float) -> int:
                     save_failed.append(e)
 
             # the checkpoint is written inside the step, while the trainer's state is resident (colocated handover)
+            samples: list[dict] = []
             rec = train_step(cfg, c, step, loss_fn, checkpoint=checkpoint if due else None,
                              rollout=pipeline.take(step, weights_step) if pipeline is not None else None,
-                             before_refit=pipeline.join if pipeline is not None else None, weights_step=weights_step)
+                             before_refit=pipeline.join if pipeline is not None else None, weights_step=weights_step,
+                             samples=samples)
+            tracker.log_samples(step, "train", samples)  # before any abort below: the completions say why
             if not rec["no_trainable_groups"]:
                 weights_step = step
             empty = empty + 1 if rec["no_trainable_groups"] else 0
@@ -306,7 +315,7 @@ def train_loop(cfg: Config, c, point, *, t_start: float) -> int:
                                       "all equal; the task is too hard or too easy for this policy, or the reward is "
                                       "broken; aborting")
             if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items and not save_failed:
-                rec.update(_validate(cfg, c, t_start))
+                rec.update(_validate(cfg, c, t_start, step, tracker))
             tracker.log(rec)
             if save_failed:
                 raise save_failed[0]

@@ -39,6 +39,7 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         t0 = time.perf_counter()
         rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
         totals["reward_s"] += time.perf_counter() - t0
+        answers = rstats.get("answers") or [None] * len(texts)  # what the verifier read, for samples.jsonl
         if cfg.reward.overlong_buffer_len > 0:  # DAPO soft overlong punishment, before advantages see the rewards
             pens = [overlong_penalty(len(t), g.max_new_tokens, cfg.reward.overlong_buffer_len,
                                      cfg.reward.overlong_penalty) for t in res.token_ids]
@@ -54,7 +55,8 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         payloads = []
         for i, it in enumerate(items):
             idx = list(res.for_prompt(i))
-            payloads.append((it, [(res.token_ids[k], res.logprobs[k], texts[k], res.finish_reasons[k]) for k in idx]))
+            payloads.append((it, [(res.token_ids[k], res.logprobs[k], texts[k], res.finish_reasons[k], answers[k])
+                                  for k in idx]))
         return payloads, torch.tensor(rewards, dtype=torch.float32).view(len(items), G)
 
     groups = dynamic_sample(draw, cfg.grpo.num_prompts_per_step, cfg.grpo.advantage)
@@ -71,7 +73,7 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
     ids, plens, advs, gen_lps, gids, texts = [], [], [], [], [], []
     for gi, (item, samples) in enumerate(groups.payloads):
-        for j, (tok, lps, text, finish) in enumerate(samples):
+        for j, (tok, lps, text, finish, *_) in enumerate(samples):  # *_: the extracted answer
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
                 continue

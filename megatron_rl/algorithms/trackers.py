@@ -2,8 +2,9 @@
 
 Both are optional extras (`pip install -e '.[wandb]'`, `'.[mlflow]'`). Each receives exactly the records written to
 metrics.jsonl, under the same names (numbers only: booleans as 0/1; null, i.e. non-finite, values are left out),
-with `step` as the x-axis; the resolved config as the run's parameters; and metrics.png as an artifact when the run
-ends. Every start of `megatron-rl train` opens a new tracker run named after output.dir: a resumed training shows
+with `step` as the x-axis; the kept completions of samples.jsonl as a table per step and split (W&B: a Table
+`samples/<split>`; MLflow: a markdown artifact `samples/<split>_step_<N>.md`); the resolved config as the run's
+parameters; and metrics.png as an artifact when the run ends. Every start of `megatron-rl train` opens a new tracker run named after output.dir: a resumed training shows
 up as a second run, and metrics.jsonl stays the one complete history. That a configured tracker's package is installed
 is a pre-flight check (`config/preflight.py: require_trackers`), made before anything starts.
 """
@@ -48,6 +49,11 @@ class WandbTracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
+    def log_samples(self, step: int, split: str, rows: list[dict]) -> None:
+        cols = list(rows[0])
+        table = self._wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])
+        self.run.log({f"samples/{split}": table}, step=step)
+
     def finish(self, plot: Path | None, failed: bool) -> None:
         if plot is not None:
             art = self._wandb.Artifact(f"run-{self.run.id}-metrics", type="plot")
@@ -79,6 +85,11 @@ class MlflowTracker:
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
+
+    def log_samples(self, step: int, split: str, rows: list[dict]) -> None:
+        from megatron_rl.algorithms.samples import markdown_table
+
+        self.client.log_text(self.run_id, markdown_table(rows), f"samples/{split}_step_{step}.md")
 
     def finish(self, plot: Path | None, failed: bool) -> None:
         if plot is not None:

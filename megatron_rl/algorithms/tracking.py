@@ -1,5 +1,6 @@
-"""What a run leaves behind for people and tools: metrics.jsonl, TensorBoard events, PNG plots, a progress bar, and
-the experiment trackers of `algorithms/trackers.py` (W&B, MLflow), which get every record metrics.jsonl gets.
+"""What a run leaves behind for people and tools: metrics.jsonl, samples.jsonl (`algorithms/samples.py`), TensorBoard
+events, PNG plots, a progress bar, and the experiment trackers of `algorithms/trackers.py` (W&B, MLflow), which get
+every record metrics.jsonl gets.
 
 metrics.jsonl holds one flat JSON object per step (tests/integration/test_grpo.py pins its keys); resuming appends,
 after dropping lines for steps past the checkpoint the run resumed from, so the file always describes one consistent
@@ -13,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from megatron_rl.algorithms.samples import SampleFile, markdown_table
 from megatron_rl.algorithms.trackers import numeric_metrics
 from megatron_rl.paths import read_metrics
 
@@ -27,8 +29,9 @@ PLOTS = [
 
 class Tracker:
     def __init__(self, out_dir: str | Path, *, resume_step: int, total_steps: int, tensorboard: bool, plots: bool,
-                 progress: bool, plot_every: int = 1, sinks: Sequence = ()):
-        """sinks: started experiment trackers (`trackers.start_trackers`); closed by `close()`."""
+                 progress: bool, plot_every: int = 1, sinks: Sequence = (), samples: bool = True):
+        """sinks: started experiment trackers (`trackers.start_trackers`); closed by `close()`. samples: keep
+        samples.jsonl (logging.samples_per_step > 0)."""
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -37,6 +40,7 @@ class Tracker:
         if self.path.exists():
             self.history = [r for r in read_metrics(self.dir) if resume_step > 0 and r.get("step", 0) <= resume_step]
             self._rewrite()
+        self.samples = SampleFile(self.dir, resume_step) if samples else None
         self.plots, self.plot_every = plots, max(1, plot_every)
         self.tb = None
         if tensorboard:
@@ -87,6 +91,20 @@ class Tracker:
     def log_validation(self, step: int, vals: dict) -> None:
         """A validation-only record (e.g. the baseline before training): kept in the history for the plot."""
         self._append({"step": step, **vals})
+
+    def log_samples(self, step: int, split: str, rows: list[dict]) -> None:
+        """A step's kept completions (`samples.py`): samples.jsonl, a TensorBoard text table, the trackers' tables."""
+        if self.samples is None or not rows:
+            return
+        self.samples.write(rows)
+        if self.tb is not None:
+            self.tb.add_text(f"samples/{split}", markdown_table(rows), step)
+            self.tb.flush()
+        for sink in self.sinks:
+            try:
+                sink.log_samples(step, split, rows)
+            except Exception as e:  # a table the tracker refuses costs the table, not the run
+                print(f"[megatron-rl] {type(sink).__name__} could not log samples: {e}", flush=True)
 
     def plot(self) -> Path | None:
         import matplotlib

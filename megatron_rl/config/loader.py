@@ -278,7 +278,8 @@ def _validate_algorithm(cfg: Config) -> None:
               "grpo.loss.cispo_clip_low": loss.cispo_clip_low, "grpo.loss.cispo_clip_high": loss.cispo_clip_high,
               "grpo.loss.importance_mask_low": loss.importance_mask_low,
               "reward.overlong_buffer_len": cfg.reward.overlong_buffer_len,
-              "reward.overlong_penalty": cfg.reward.overlong_penalty}
+              "reward.overlong_penalty": cfg.reward.overlong_penalty,
+              "logging.samples_per_step": cfg.logging.samples_per_step}
     for key, v in nonneg.items():
         if v < 0:
             raise ConfigError(f"{key} must be >= 0, got {v}")

@@ -10,11 +10,14 @@ Each failure is a `ConfigError` naming the key path and the values (the CLI prin
 - the architecture is one the trainer supports, and the engine layout one this platform runs;
 - the engines' memory fits what is free here (local runs only: on a cluster they start elsewhere);
 - a configured experiment tracker (logging.wandb / logging.mlflow) has its package installed.
+One check only warns: a prompt whose instructions or examples use one answer form (<answer> tags, \\boxed{}) while
+reward.answer_format reads only the other (`answer_format_mismatch`): every reward 0, and training never learns why.
 TP/PP against heads, KV heads, layers and devices are layout rules the loader already checked (`validate`).
 """
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from megatron_rl.config.loader import ConfigError, resolve_model_dir
@@ -191,6 +194,32 @@ def require_trackers(logging) -> None:
                                      f"pip install -e '.[{section}]'")
 
 
+# the form each strict answer_format reads, and the marker of the form it does not
+_FORMS = {"boxed": ("\\boxed{}", "<answer>", "<answer> tags"), "answer_tag": ("<answer> tags", "\\boxed{", "\\boxed{}")}
+
+
+def answer_format_mismatch(data, reward) -> str | None:
+    """A one-line warning when data.system_prompt, data.prompt_template or data.few_shot show the answer form that
+    reward.answer_format does not read (auto reads both: never)."""
+    if reward.answer_format not in _FORMS:
+        return None
+    reads, marker, shown = _FORMS[reward.answer_format]
+    texts = {"data.system_prompt": data.system_prompt or "", "data.prompt_template": data.prompt_template or "",
+             "data.few_shot": " ".join(str(v) for ex in data.few_shot for v in ex.values())}
+    keys = [k for k, t in texts.items() if marker.lower() in t.lower()]
+    if not keys:
+        return None
+    return (f"{' and '.join(keys)} {'show' if len(keys) > 1 else 'shows'} {shown} but reward.answer_format="
+            f"{reward.answer_format} reads only {reads}: completions that follow the prompt score 0 "
+            "(make them agree, or set reward.answer_format=auto)")
+
+
+def warn_answer_format(cfg: Config) -> None:
+    msg = answer_format_mismatch(cfg.data, cfg.reward)
+    if msg:
+        print(f"[megatron-rl] warning: {msg}", file=sys.stderr, flush=True)
+
+
 def preflight(cfg: Config, *, machine: bool = True):
     """Run every check (module doc); returns the tokenizer it loaded. machine=False skips the checks against this
     machine, its platform and memory (a dry run may be validating a config for another machine)."""
@@ -203,6 +232,7 @@ def preflight(cfg: Config, *, machine: bool = True):
     check_vocab(cfg, spec, label, tok)
     check_chat_template(cfg, tok)
     check_context(cfg, spec, label)
+    warn_answer_format(cfg)
     if machine:
         check_generation_memory(cfg, spec)
     return tok

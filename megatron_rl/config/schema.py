@@ -272,6 +272,9 @@ class LoggingConfig:
     plots: bool = True
     plot_every: int = 1
     progress: bool = True
+    # completions kept per step (train) and per validation (the first items) in samples.jsonl, TensorBoard and the
+    # trackers, with their extracted answers and rewards (algorithms/samples.py). 0: off
+    samples_per_step: int = 4
     # experiment trackers beside metrics.jsonl/TensorBoard (algorithms/trackers.py); off unless the section is set
     wandb: Optional[WandbConfig] = None
     mlflow: Optional[MlflowConfig] = None

