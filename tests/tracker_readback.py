@@ -30,10 +30,25 @@ def wandb_records(out, env: dict | None = None):
 
 
 def wandb_points(records):
-    """step -> {name: value} of the run's history (wandb's own `_step`, `_runtime`, ... left out)."""
+    """step -> {name: value} of the run's history (wandb's own `_step`, `_runtime`, ... left out, and the
+    `samples/<split>` tables, which history holds as artifact references: `wandb_tables`)."""
     history = [x["history"] for x in records if x["type"] == "history"]
-    return {h["step"].get("num", 0): {k: float(v) for k, v in h["item"].items() if not k.startswith("_")}
-            for h in history}
+    points = {h["step"].get("num", 0): {k: float(v) for k, v in h["item"].items()
+                                        if not k.startswith(("_", "samples/"))} for h in history}
+    return {step: p for step, p in points.items() if p}
+
+
+def wandb_tables(records) -> dict[int, set[str]]:
+    """step -> names of the tables logged at it (the samples of `samples.jsonl`)."""
+    out: dict[int, set[str]] = {}
+    for x in records:
+        if x["type"] == "history":
+            h = x["history"]
+            # a table's history entry is flattened into fields: samples/train._type, samples/train.nrows, ...
+            names = {k.split(".")[0] for k in h["item"] if k.startswith("samples/")}
+            if names:
+                out.setdefault(h["step"].get("num", 0), set()).update(names)
+    return out
 
 
 def mlflow_run(out, experiment):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tests.tracker_readback import (expected_points, mlflow_points, mlflow_run, wandb_isolated_env, wandb_points,
-                                    wandb_records)
+                                    wandb_records, wandb_tables)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,10 @@ def test_python_api_example_trains_exports_and_evaluates(tmp_path, tiny_model_fa
             in r.stdout), r.stdout
 
     # the trackers saw exactly metrics.jsonl's numbers
-    assert wandb_points(wandb_records(out, env=wandb_isolated_env(tmp_path))) == expected_points(lines)
+    records = wandb_records(out, env=wandb_isolated_env(tmp_path))
+    assert wandb_points(records) == expected_points(lines)
+    # and W&B got each step's samples.jsonl rows as a table
+    assert all("samples/train" in wandb_tables(records).get(step, set()) for step in (1, 2)), wandb_tables(records)
     client, run = mlflow_run(out, "megatron-rl")
     assert run.info.status == "FINISHED" and mlflow_points(client, run, lines) == expected_points(lines)
     assert run.data.params["policy.model"] == str(model)
