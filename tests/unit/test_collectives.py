@@ -42,6 +42,10 @@ ALLOWED = {
     ("megatron_rl/weights/convert.py", "_launch", "all_gather_object"): _OBJECT + "; the group is gloo here",
     ("megatron_rl/weights/convert.py", "_barrier", "barrier"): "no tensor of ours; the conversion group is gloo",
     ("megatron_rl/weights/convert.py", "megatron_to_hf", "broadcast_object_list"): _OBJECT + "; the group is gloo here",
+    ("megatron_rl/policy/weights_out.py", "WeightsOut._all_stage_buckets", "broadcast"):
+        "the bucket's flat buffer is made on the worker's device (self.device), the one megatron's pipeline group "
+        "(NCCL on GPU, gloo on CPU) moves",
+    ("megatron_rl/policy/weights_out.py", "WeightsOut._all_stage_buckets", "broadcast_object_list"): _OBJECT,
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }
