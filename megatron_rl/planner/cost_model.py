@@ -400,7 +400,7 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
     resident = 0.0
     # reported, not (yet) refused: the refit buffer holds the whole model until the engine has loaded it, which
     # large models do not fit beside the weights (docs/gpu.md, the memory plan); `search._report` says so
-    handover = handover_memory(mem, vllm_w, vllm_weight_bytes(spec, 1), colocated)
+    handover = handover_memory(mem, vllm_w, vllm_weight_bytes(spec, 1), colocated) if colocated else {}
     free = usable - vllm_w - resident
     if wl.gpu_memory_utilization is not None:  # a fixed vLLM budget: the KV cache gets what the weights leave of it
         free = min(free, wl.gpu_memory_utilization * gpu.memory_gib * GiB - vllm_w)
