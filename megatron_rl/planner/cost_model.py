@@ -54,6 +54,7 @@ Step time, by mode:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -205,19 +206,30 @@ def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload,
     # full recompute keeps only each layer's input (split over TP only with sequence parallelism)
     kept_in = t * 2 * a.hidden / (tp if SEQUENCE_PARALLEL else 1)
     edp = dp // ep  # the distributed optimizer shards expert state over the expert-data-parallel replicas
-    best, start = None, 0
-    for i, ((dense, expert), n) in enumerate(zip(stage_param_split(a, tp, pp, ep), stage_layers(a, pp))):
-        per_layer = [t * act_bytes_per_token_layer(a, j, tp, SEQUENCE_PARALLEL) for j in range(start, start + n)]
-        start += n
+    best = None
+    acts = _stage_act_bytes(a, tp, pp)
+    for i, ((dense, expert), n, (act_sum, act_max)) in enumerate(
+            zip(stage_param_split(a, tp, pp, ep), stage_layers(a, pp), acts)):
         opt = 12.0 * (dense / dp + expert / edp) if wl.distributed_optimizer else 12.0 * (dense + expert)
         # 1F1B: stage i has PP - i micro-batches in flight; recompute rebuilds one layer at a time in backward
-        act = (pp - i) * (n * kept_in if recompute else sum(per_layer)) + (max(per_layer) if recompute else 0.0)
+        act = (pp - i) * (n * kept_in if recompute else t * act_sum) + (t * act_max if recompute else 0.0)
         parts = {"weights": 2.0 * (dense + expert), "grads": 4.0 * (dense + expert), "optimizer": opt,
                  "activations": act, "logits": logits if i == pp - 1 else 0.0}
         if best is None or sum(parts.values()) > sum(best.values()):
             best = parts
     static = best["weights"] + best["grads"] + best["optimizer"]
     return {k: v / GiB for k, v in best.items()}, static
+
+
+@functools.lru_cache(maxsize=4096)  # as architecture.stage_param_split: the search asks for the same sums again
+def _stage_act_bytes(a, tp: int, pp: int) -> tuple[tuple[float, float], ...]:
+    """Per pipeline stage: (sum, max) over its layers of the activation bytes kept per token."""
+    out, start = [], 0
+    for n in stage_layers(a, pp):
+        per_layer = [act_bytes_per_token_layer(a, j, tp, SEQUENCE_PARALLEL) for j in range(start, start + n)]
+        start += n
+        out.append((sum(per_layer), max(per_layer)))
+    return tuple(out)
 
 
 def handover_memory(mem: dict, vllm_w: float, model_w: float, colocated: bool) -> dict:
@@ -240,10 +252,14 @@ def _mfu(width: int, tp: int) -> float:
     return MFU * min(1.0, (width / 4096) ** 0.25) * TP_EFF[tp]
 
 
-def stage_fwd_flops(spec, pp: int, avg_len: int) -> list[tuple[float, float, int]]:
+def stage_fwd_flops(spec, pp: int, avg_len: int) -> tuple[tuple[float, float, int], ...]:
     """Per pipeline stage: (forward FLOPs per token outside the routed experts, inside them, MoE layers). The last
     stage also runs the output layer."""
-    a = arch_of(spec)
+    return _stage_fwd_flops(arch_of(spec), pp, avg_len)
+
+
+@functools.lru_cache(maxsize=4096)  # as architecture.stage_param_split: the search asks for the same sums again
+def _stage_fwd_flops(a, pp: int, avg_len: int) -> tuple[tuple[float, float, int], ...]:
     out, start = [], 0
     for n in stage_layers(a, pp):
         layers = range(start, start + n)
@@ -252,7 +268,7 @@ def stage_fwd_flops(spec, pp: int, avg_len: int) -> list[tuple[float, float, int
         dense = sum(2.0 * (layer_matmul_params(a, i) - 2 * a.hidden) + a.score_width * avg_len for i in layers)
         out.append([dense - expert, expert, sum(1 for i in layers if a.is_moe_layer(i))])
     out[-1][0] += 2.0 * a.vocab * a.hidden
-    return [tuple(x) for x in out]
+    return tuple(tuple(x) for x in out)
 
 
 def dispatch_s_per_token_layer(spec, gpu: GPU, tp: int, ep: int) -> float:
@@ -384,6 +400,7 @@ def layout_problem(spec, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: in
 def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int,
              recompute: bool, colocated: bool, max_staleness: int = 0, ep: int = 1) -> Plan | str:
     """A Plan when the layout fits, else a string saying what does not fit (or which runtime rule refuses it)."""
+    spec = arch_of(spec)  # once: every model function below takes the Arch as it is
     refused = layout_problem(spec, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=gen_gpus, colocated=colocated,
                              max_staleness=max_staleness, domain=gpu.nvlink_domain, ep=ep)
     if refused:

@@ -142,7 +142,9 @@ def test_every_size_plans_within_a_second(name):
     _, spec, _ = P.resolve_model(name)
     for gpus in (8, 64, 512, 4096):
         for colocated in (True, False):
-            t0 = time.perf_counter()
+            # CPU time of this process, not wall time: other CI processes on the 2 cores do not count against it.
+            # The search takes <= 0.12 s here (2-core EPYC, 2026-12-01); the bound guards against a blow-up.
+            t0 = time.process_time()
             try:
                 plans = P.plan(spec, gpus, GPUS["h100"], P.Workload(), colocated=colocated)
             except P.Infeasible as e:
@@ -152,7 +154,7 @@ def test_every_size_plans_within_a_second(name):
                 assert plans and all(p.step_s > 0 for p in plans)
                 assert [p.step_s for p in plans] == sorted(p.step_s for p in plans)
                 assert all(p.train_peak_gib <= P.usable_bytes(GPUS["h100"]) / 2**30 for p in plans)
-            assert time.perf_counter() - t0 < 1.0, (name, gpus, colocated)
+            assert time.process_time() - t0 < 1.0, (name, gpus, colocated)
 
 
 def test_impossible_requests_are_refused_with_the_reason(capsys):
