@@ -93,7 +93,7 @@ def body(rank: int, world_size: int, args: dict):
         mbs = w._micro_batches(batch)
         multiple = w.segment_multiple if w.varlen else 0
         units = packing.plan_units(batch, shared=w.shared_prefix, max_tokens=args["budget"], multiple=multiple)
-        real = sum(packing.unit_length(batch, u) for u in units)  # positions that are not padding
+        real = sum(sum(u.segments) for u in units)  # positions that are not padding
         total = sum(mb.tokens.numel() for mb in mbs)
         return {"fed": total, "padding": 1 - real / total, "microbatches": len(mbs)}
 

@@ -1,20 +1,26 @@
-"""Rows, the second step of a training call's layout: plan (`packing.plan_microbatches`: which units form each
-micro-batch) -> rows (here: a micro-batch's model inputs, `rows`) -> per-token gather (here: `response_window`,
-`flat`, `split_rows`, `gather_field` turn model outputs back into per-sequence tensors).
+"""The tensors of a training call: a planned micro-batch (`policy/packing.py`: which units go together) -> its
+model inputs (`rows`) -> the model's per-position outputs back as per-sequence, per-token values (`response_window`,
+`flat`, `split_rows`, `gather_field`). The plan is made once per call; this module never calls back into it.
 
 Sequence i of length L is fed as tokens[0 : L-1] and predicts targets tokens[1 : L]; its response token k
 (`input_ids[p + k]`, p = prompt length) is therefore predicted at position p - 1 + k. Rows are right-padded to the
 micro-batch's longest row; causal attention means padding never influences real positions, and padded positions
 get target -1 (the kernels' ignore index) and mask 0.
 
-A row may instead hold a whole group sharing its prompt (`dense_rows`, layout in `policy/packing.py`); then the
-micro-batch carries an explicit attention mask and per-token positions, and `spans` locate each sequence's response
-predictions. Response tokens are flattened row by row, which is the order of `indices`.
+A row may instead hold a whole group sharing its prompt (`row_layout`: every completion's segment starts with its own
+copy of the last prompt token, whose output predicts the completion's first token, so every response token has its
+own position and the logprob kernel runs once with one target per position; the copy sits at position p - 1 and sees
+exactly P[0 : p-1] and itself, as the last prompt token does unshared, so the graph is the unshared one). Then the
+micro-batch carries an explicit attention mask (`attention_mask`: a token attends key k when k is at or before it and
+k is shared or in its own segment) and per-token positions restarting per segment (position-indexed rotary
+frequencies, `policy/model_hooks.py`); `spans` locate each sequence's response predictions. Response tokens are
+flattened row by row, which is the order of `indices`. A single-sequence unit laid out by the same rule is the plain
+unshared row (tokens ids[:-1], positions 0..L-2, causal), so one builder serves both.
 
-With varlen packing (`varlen_row`) the micro-batch is ONE packed row [1, t] in megatron's THD format: its units
-(sequences or shared-prefix groups) back to back, each split into attention segments (`packing.unit_segments`)
-padded to megatron's multiple, described by `packed` (PackedSeqParams / CascadeSeqParams with cu_seqlens) instead
-of a mask; positions restart per sequence. The same `spans`, `flat` and `split_rows` read it.
+With varlen packing (`varlen_row`) the micro-batch is ONE packed row [1, t] in megatron's THD format: its units back
+to back, each split into the attention segments the plan gave it (`Unit.segments`), padded to megatron's multiple,
+described by `packed` (PackedSeqParams / CascadeSeqParams with cu_seqlens) instead of a mask; positions restart per
+sequence. The same `spans`, `flat` and `split_rows` read it.
 
 An empty planned micro-batch (no units: the padding that gives every DP rank the same micro-batch count,
 `policy/microbatch.py`) becomes a `filler_row`: a few pad tokens that predict nothing, run through the model only for
@@ -28,8 +34,46 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.policy import packing
 from megatron_rl.policy.interface import RolloutBatch
+from megatron_rl.policy.packing import Unit, padded
+
+SHARED = -1  # segment id of the shared prompt part (and of padding, which no real token can see: it comes last)
+
+
+@dataclass
+class RowLayout:
+    tokens: list[int]
+    positions: list[int]
+    targets: list[int]  # -1 where the position predicts nothing that is trained
+    segments: list[int]  # SHARED, or the member's index within the row
+    spans: list[tuple[int, int]]  # per member: (first column, number of response tokens)
+
+
+def row_layout(seqs: list[list[int]], prompt_len: int) -> RowLayout:
+    """Layout of one row holding `seqs`, which all start with the same `prompt_len` prompt tokens."""
+    p = prompt_len
+    tokens = list(seqs[0][:p - 1])
+    positions = list(range(p - 1))
+    targets = [-1] * (p - 1)
+    segments = [SHARED] * (p - 1)
+    spans = []
+    for j, ids in enumerate(seqs):
+        r = len(ids) - p
+        spans.append((len(tokens), r))
+        tokens += ids[p - 1:len(ids) - 1]
+        positions += range(p - 1, len(ids) - 1)
+        targets += ids[p:]
+        segments += [j] * r
+    return RowLayout(tokens, positions, targets, segments, spans)
+
+
+def attention_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[b, s] segment ids -> [b, 1, s, s] bool, True = masked (megatron's and TE's convention)."""
+    s = segments.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    shared_key = (segments == SHARED)[:, None, :]
+    return ~(causal & (same | shared_key))[:, None]
 
 
 @dataclass
@@ -73,7 +117,7 @@ def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> Non
                 raise ValueError(f"{name}[{i}] has {t.numel()} entries for a response of {n} tokens")
 
 
-def rows(batch: RolloutBatch, units: list[list[int]], *, varlen: bool, multiple: int = 1) -> MicroBatchRows:
+def rows(batch: RolloutBatch, units: list[Unit], *, varlen: bool, multiple: int = 1) -> MicroBatchRows:
     """The rows of one planned micro-batch (`packing.plan_microbatches`): one packed THD row, or one padded row per
     unit. No units: a `filler_row`."""
     if not units:
@@ -96,21 +140,16 @@ def filler_row(*, varlen: bool, multiple: int = 1, pad_id: int = 0) -> MicroBatc
                           torch.zeros((1, n), dtype=torch.bool), [], [], packed=packed)
 
 
-def dense(batch: RolloutBatch, indices: list[int], pad_id: int = 0) -> MicroBatchRows:
-    """One row per sequence (the unshared layout)."""
-    return dense_rows(batch, [[i] for i in indices], pad_id)
-
-
-def dense_rows(batch: RolloutBatch, rows: list[list[int]], pad_id: int = 0) -> MicroBatchRows:
-    """One row per unit: a single sequence, or a group sharing its prompt (`policy/packing.py`)."""
-    layouts = [packing.row_layout([batch.input_ids[i] for i in u], batch.prompt_lens[u[0]]) for u in rows]
+def dense_rows(batch: RolloutBatch, rows: list[Unit], pad_id: int = 0) -> MicroBatchRows:
+    """One row per unit: a single sequence, or a group sharing its prompt."""
+    layouts = [row_layout([batch.input_ids[i] for i in u.members], u.prompt_len) for u in rows]
     b, s = len(rows), max(len(lay.tokens) for lay in layouts)
     tokens = torch.full((b, s), pad_id, dtype=torch.long)
     targets = torch.full((b, s), -1, dtype=torch.long)
     # padding continues the row's positions so that a padded single-sequence row keeps positions 0..s-1 (the model
     # then uses its standard RoPE table); padded positions' outputs are never read
     pos = torch.arange(s, dtype=torch.long).repeat(b, 1)
-    segments = torch.full((b, s), packing.SHARED, dtype=torch.long)
+    segments = torch.full((b, s), SHARED, dtype=torch.long)
     mask = torch.zeros((b, s), dtype=torch.bool)
     indices, resp_lens, spans = [], [], []
     for r, (unit, lay) in enumerate(zip(rows, layouts)):
@@ -122,16 +161,16 @@ def dense_rows(batch: RolloutBatch, rows: list[list[int]], pad_id: int = 0) -> M
             last = lay.positions[-1]
             pos[r, :n] = torch.tensor(lay.positions, dtype=torch.long)
             pos[r, n:] = torch.arange(last + 1, last + 1 + s - n)
-        for i, (c, k) in zip(unit, lay.spans):
+        for i, (c, k) in zip(unit.members, lay.spans):
             mask[r, c:c + k] = True
             indices.append(i)
             resp_lens.append(k)
             spans.append((r, c))
-    attn = packing.attention_mask(segments) if any(len(u) > 1 for u in rows) else None
+    attn = attention_mask(segments) if any(len(u.members) > 1 for u in rows) else None
     return MicroBatchRows(indices, tokens, pos, targets, mask, resp_lens, spans, attn)
 
 
-def varlen_row(batch: RolloutBatch, units: list[list[int]], multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
+def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
     """All `units` in one packed THD row; every attention segment padded to `multiple` tokens (padding: target -1,
     attended by nothing, its output unread)."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -142,10 +181,10 @@ def varlen_row(batch: RolloutBatch, units: list[list[int]], multiple: int = 1, p
     starts, lengths, prefix_of = [], [], []
     indices, resp_lens, spans = [], [], []
     for unit in units:
-        lay = packing.row_layout([batch.input_ids[i] for i in unit], batch.prompt_lens[unit[0]])
-        seg_lens, seg_prefix = packing.unit_segments(lay)
+        lay = row_layout([batch.input_ids[i] for i in unit.members], unit.prompt_len)
+        assert sum(unit.segments) == len(lay.tokens), (unit, len(lay.tokens))  # the plan counted this row
         first_seg, col, col_of = len(starts), 0, {}  # layout column -> packed column
-        for n, p in zip(seg_lens, seg_prefix):
+        for n, p in zip(unit.segments, unit.prefix_of):
             at = len(tokens)
             starts.append(at)
             lengths.append(n)
@@ -155,13 +194,13 @@ def varlen_row(batch: RolloutBatch, units: list[list[int]], multiple: int = 1, p
                 tokens.append(lay.tokens[c])
                 pos.append(lay.positions[c])
                 targets.append(lay.targets[c])
-            pad = packing.padded(n, multiple) - n
+            pad = padded(n, multiple) - n
             last = pos[-1] if n else 0
             tokens += [pad_id] * pad
             pos += range(last + 1, last + 1 + pad)
             targets += [-1] * pad
             col += n
-        for i, (c, k) in zip(unit, lay.spans):
+        for i, (c, k) in zip(unit.members, lay.spans):
             indices.append(i)
             resp_lens.append(k)
             spans.append((0, col_of[c]))

@@ -12,7 +12,7 @@ We report D = the global token count exactly once (first micro-batch of DP rank 
 gradient is exactly that of the normalised loss, whatever the split.
 
 Shared prefix (`policy.shared_prefix`): each GRPO group becomes one row, its prompt computed once
-(`policy/packing.py`); the model is patched to honour per-token positions and explicit masks
+(`policy/packing.py` plans it, `policy/batching.py` lays it out); the model is patched to honour per-token positions and explicit masks
 (`policy/model_hooks.py`). Outputs and loss inputs are per sequence as in the unshared layout.
 
 Equal micro-batch counts: with experts at DP > 1 megatron's token dispatcher runs an all-to-all over the expert-

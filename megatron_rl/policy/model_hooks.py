@@ -1,6 +1,6 @@
 """Make a megatron-core GPTModel honour per-token `position_ids` in RoPE, and explicit attention masks.
 
-Both are needed by group-shared prefix packing (`policy/packing.py`), where positions restart for every completion
+Both are needed by group-shared prefix packing (`policy/batching.py` `row_layout`), where positions restart for every completion
 and attention is block-structured. The worker installs them once after building the model (every pipeline stage).
 
 RoPE. megatron-core's `GPTModel._preprocess` asks `rotary_pos_emb(seq_len)` for the table of positions 0..s-1 and

@@ -132,7 +132,7 @@ def uneven_microbatches(rank: int, world_size: int, model_dir: str, coef: float)
         own = [packing.plan_microbatches(batch, shared=False, varlen=w.varlen, max_tokens=UNEVEN_BUDGET, dp_size=2,
                                          dp_rank=r) for r in range(2)]
         assert w.varlen == (mode == "varlen"), mode
-        assert [len(p) for p in own] == [1, 2] and all(len(u) == 1 for p in own for mb in p for u in mb), own
+        assert [len(p) for p in own] == [1, 2] and all(len(u.members) == 1 for p in own for mb in p for u in mb), own
         lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
         out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
         after = _gather_obj(w.hf_state_dict())

@@ -1,5 +1,5 @@
-"""Group-shared prefix packing plan: row layout (tokens, positions, targets), attention mask, unit planning, dense
-micro-batches, and position-indexed RoPE frequencies."""
+"""Group-shared prefix packing: the row layout (tokens, positions, targets) and attention mask (`batching`), the unit
+plan (`packing`), dense micro-batches, and position-indexed RoPE frequencies."""
 import random
 
 import pytest
@@ -18,19 +18,19 @@ def _group(p=4, resp=(3, 1, 5), seed=0, vocab=50):
 
 def test_row_layout_of_a_group():
     seqs = [[10, 11, 12, 20, 21, 22], [10, 11, 12, 30], [10, 11, 12, 40, 41]]
-    lay = packing.row_layout(seqs, 3)
+    lay = batching.row_layout(seqs, 3)
     # shared P[0:2], then each segment: last prompt token + response minus its last token
     assert lay.tokens == [10, 11, 12, 20, 21, 12, 12, 40]
     assert lay.positions == [0, 1, 2, 3, 4, 2, 2, 3]
     assert lay.targets == [-1, -1, 20, 21, 22, 30, 40, 41]
     assert lay.segments == [-1, -1, 0, 0, 0, 1, 2, 2]
     assert lay.spans == [(2, 3), (5, 1), (6, 2)]
-    assert len(lay.tokens) == packing.unit_length(RolloutBatch(seqs, [3, 3, 3]), [0, 1, 2])
+    assert len(lay.tokens) == packing.make_unit(RolloutBatch(seqs, [3, 3, 3]), [0, 1, 2]).length
 
 
 def test_single_sequence_row_is_the_unshared_layout():
     ids = [5, 6, 7, 8, 9]
-    lay = packing.row_layout([ids], 2)
+    lay = batching.row_layout([ids], 2)
     assert lay.tokens == ids[:-1]
     assert lay.positions == [0, 1, 2, 3]
     assert lay.targets == [-1, 7, 8, 9]
@@ -39,7 +39,7 @@ def test_single_sequence_row_is_the_unshared_layout():
 
 def test_mask_segments_see_prefix_and_themselves_causally():
     seg = torch.tensor([[-1, -1, 0, 0, 1, 2, 2, -1]])  # last column: padding
-    m = packing.attention_mask(seg)[0, 0]
+    m = batching.attention_mask(seg)[0, 0]
     allowed = ~m
     assert allowed[1].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
     assert allowed[3].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
@@ -55,8 +55,8 @@ def test_every_prediction_sees_exactly_its_unshared_context(seed):
     rng = random.Random(seed)
     p = rng.randint(1, 6)
     seqs = _group(p, [rng.randint(1, 6) for _ in range(rng.randint(2, 5))], seed=seed)
-    lay = packing.row_layout(seqs, p)
-    allowed = ~packing.attention_mask(torch.tensor([lay.segments]))[0, 0]
+    lay = batching.row_layout(seqs, p)
+    allowed = ~batching.attention_mask(torch.tensor([lay.segments]))[0, 0]
     for j, (c, n) in enumerate(lay.spans):
         for k in range(n):
             q = c + k
@@ -76,15 +76,20 @@ def _batch():
 
 def test_plan_units_packs_groups_and_falls_back():
     b = _batch()
-    units = packing.plan_units(b, shared=True, max_tokens=64)
-    assert units == [[0, 3, 6], [1, 4], [2], [5], [7]]
-    assert packing.plan_units(b, shared=False, max_tokens=64) == [[i] for i in range(8)]
+    def members(**kw):
+        return [list(u.members) for u in packing.plan_units(**kw)]
+
+    assert members(batch=b, shared=True, max_tokens=64) == [[0, 3, 6], [1, 4], [2], [5], [7]]
+    assert members(batch=b, shared=False, max_tokens=64) == [[i] for i in range(8)]
     b_nogroups = RolloutBatch(b.input_ids, b.prompt_lens)
-    assert packing.plan_units(b_nogroups, shared=True, max_tokens=64) == [[i] for i in range(8)]
+    assert members(batch=b_nogroups, shared=True, max_tokens=64) == [[i] for i in range(8)]
     # group 0 packs to 4 + 7 = 11 tokens, group 1 to 2 + 8 = 10: a budget of 10 keeps only group 1 packed
-    assert packing.plan_units(b, shared=True, max_tokens=10) == [[0], [1, 4], [2], [3], [5], [6], [7]]
+    assert members(batch=b, shared=True, max_tokens=10) == [[0], [1, 4], [2], [3], [5], [6], [7]]
     # fewer rows than DP ranks: everything unshared
-    assert packing.plan_units(b, shared=True, max_tokens=64, dp_size=6) == [[i] for i in range(8)]
+    assert members(batch=b, shared=True, max_tokens=64, dp_size=6) == [[i] for i in range(8)]
+    # lengths: (p - 1) + the responses for a group, L - 1 for one sequence
+    lengths = {u.members: u.length for u in packing.plan_units(b, shared=True, max_tokens=64)}
+    assert lengths[(0, 3, 6)] == 4 + 2 + 1 + 4 and lengths[(7,)] == 3
 
 
 def test_plan_units_names_a_too_long_sequence():
@@ -106,7 +111,7 @@ def test_dense_rows_keep_per_sequence_order_and_targets():
     assert flat.tolist() == [x for t in got for x in t.tolist()]
     assert mb.resp_lens == [len(t) for t in got]
     # unshared rows keep positions 0..s-1 through the padding, so the model's stock RoPE path applies
-    plain = batching.dense(b, [2, 7])
+    plain = batching.dense_rows(b, [packing.make_unit(b, [2]), packing.make_unit(b, [7])])
     assert plain.attention_mask is None
     assert torch.equal(plain.position_ids, torch.arange(plain.tokens.shape[1]).expand(2, -1))
 

@@ -22,7 +22,13 @@ def test_varlen_row_holds_every_sequence_once(multiple):
     units = packing.plan_units(b, shared=True, max_tokens=64, multiple=multiple)
     mb = batching.varlen_row(b, units, multiple)
     assert mb.tokens.shape[0] == 1 and mb.attention_mask is None
-    assert mb.tokens.shape[1] == sum(packing.unit_length(b, u, multiple) for u in units)
+    # the row holds what the plan counted: each unit's segments padded to the multiple, re-derived from the lengths
+    up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    expect = 0
+    for u in units:
+        p, resp = b.prompt_lens[u.members[0]], [len(b.input_ids[i]) - b.prompt_lens[i] for i in u.members]
+        expect += up(p - 1 + resp[0]) if len(resp) == 1 else up(p - 1) + sum(up(r) for r in resp)
+    assert mb.tokens.shape[1] == expect == sum(u.length for u in units)
     assert isinstance(mb.packed, CascadeSeqParams)  # groups 0 and 1 share their prompts
     # every sequence's response targets, in `indices` order, by split_rows and by flat
     got = batching.split_rows(mb.targets, mb)
