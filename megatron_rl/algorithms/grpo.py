@@ -181,14 +181,15 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     time_train = time.perf_counter() - t0
     # mismatch: the "old" pass covers the whole batch; else the on-policy pass reused as "old" logprobs is the
     # (only) mini-batch's forward before its update, over the sequences it trained
+    compared = batch if batch.old_logprobs is not None else parts[0]
     gen_lps, train_lps = ((batch.gen_logprobs, batch.old_logprobs) if batch.old_logprobs is not None
                           else (parts[0].gen_logprobs, results[0].logprobs))
     rec["time_wait_rollout_s"] = before_refit() if before_refit is not None else 0.0
     if checkpoint is not None:  # before the refit, which leaves only the weights resident (policy/residency.py)
         checkpoint()
     refit_s = c.handover.refit()
-    mask = torch.ones(sum(len(x) for x in gen_lps))
-    mm = mismatch_metrics(torch.cat(gen_lps), torch.cat([t.float() for t in train_lps]), mask)
+    # over the tokens the engine sampled (observation tokens have no generator logprob worth comparing)
+    mm = mismatch_metrics(torch.cat(gen_lps), torch.cat([t.float() for t in train_lps]), compared.trained_mask())
     m = _merge_minibatch_metrics([rescale_metrics(r.metrics, p) for r, p in zip(results, parts)])
     rec.update({
         "loss": m.get("loss"), "kl": m.get("kl", 0.0), "entropy": m.get("entropy"), "clip_frac": m.get("clip_frac"),

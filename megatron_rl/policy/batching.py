@@ -108,7 +108,13 @@ def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> Non
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"sequence {i}: token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab_size})")
-    for name in ("old_logprobs", "ref_logprobs", "gen_logprobs"):
+    if batch.loss_mask is not None:
+        if len(batch.loss_mask) != len(batch):
+            raise ValueError(f"batch has {len(batch)} sequences but {len(batch.loss_mask)} loss masks")
+        for i, m in enumerate(batch.loss_mask):
+            if m.dtype != torch.bool:
+                raise ValueError(f"loss_mask[{i}] has dtype {m.dtype}; expected torch.bool (True = trained)")
+    for name in ("old_logprobs", "ref_logprobs", "gen_logprobs", "loss_mask"):
         vals = getattr(batch, name)
         if vals is None:
             continue

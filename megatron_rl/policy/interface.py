@@ -3,6 +3,12 @@
 A `RolloutBatch` holds whole sequences (prompt + response token ids). Per-token fields are aligned with the
 *response* tokens of each sequence: entry k of sequence i refers to token `input_ids[i][prompt_lens[i] + k]`,
 predicted from everything before it. Outputs keep the batch's sequence order, however the worker splits it.
+
+`loss_mask` marks which response tokens are trained. A multi-turn trajectory's "response" is everything after the
+first prompt: the engine's tokens of every assistant turn, and between them the observation tokens (tool output,
+feedback, the chat template's turn markers) that the environment wrote. Those are context: the model reads them but
+never produced them, so they carry no gradient and count in no normaliser, entropy, KL or mismatch metric. Their
+logprobs are still computed (the row is fed whole), and simply not used.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ class RolloutBatch:
     ref_logprobs: Optional[list[torch.Tensor]] = None
     gen_logprobs: Optional[list[torch.Tensor]] = None  # generator's logprobs of the sampled tokens
     group_ids: Optional[list[int]] = None  # sequences sharing a prompt (shared-prefix packing)
+    # per response token: True = trained (the engine sampled it), False = context (an observation); None: all trained
+    loss_mask: Optional[list[torch.Tensor]] = None
     # The loss normalisers (response tokens, sequences) when this batch is the part of a step that carries gradient
     # (`algorithms/trainable.py`); None: this batch's own counts.
     step_tokens: Optional[int] = None
@@ -36,7 +44,7 @@ class RolloutBatch:
 
         return RolloutBatch(pick(self.input_ids), pick(self.prompt_lens), pick(self.advantages),
                             pick(self.old_logprobs), pick(self.ref_logprobs), pick(self.gen_logprobs),
-                            pick(self.group_ids))
+                            pick(self.group_ids), loss_mask=pick(self.loss_mask))
 
     def loss_normalizers(self) -> tuple[int, int]:
         """(response tokens, sequences) the loss divides by."""
@@ -47,7 +55,16 @@ class RolloutBatch:
         return [len(ids) - p for ids, p in zip(self.input_ids, self.prompt_lens)]
 
     def num_response_tokens(self) -> int:
-        return sum(self.response_lens())
+        """Response tokens the loss trains: all of them, or those `loss_mask` keeps."""
+        if self.loss_mask is None:
+            return sum(self.response_lens())
+        return int(sum(int(m.sum()) for m in self.loss_mask))
+
+    def trained_mask(self) -> torch.Tensor:
+        """The loss mask of every response token, concatenated in batch order (float, 1 = trained)."""
+        if self.loss_mask is None:
+            return torch.ones(sum(self.response_lens()))
+        return torch.cat([m.reshape(-1).float() for m in self.loss_mask]) if self.loss_mask else torch.ones(0)
 
 
 # loss_fn(logprobs, batch fields for the micro-batch, normalisers) -> (scalar loss, metrics); see policy/loss_api.py

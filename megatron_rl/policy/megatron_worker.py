@@ -285,9 +285,12 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
                 seq_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in zip(mb.indices, mb.resp_lens)])
                 dev = flat_lp.device
                 old = batching.gather_field(batch.old_logprobs, mb)
+                # observation tokens of multi-turn trajectories are context: mask 0 (RolloutBatch.loss_mask)
+                mask = batching.gather_field(batch.loss_mask, mb)
                 inputs = LossInputs(
                     logprobs=flat_lp.float(), entropy=batching.flat(ent, mb).float(),
-                    advantages=adv[seq_ids].to(dev), mask=torch.ones_like(flat_lp, dtype=torch.float32),
+                    advantages=adv[seq_ids].to(dev),
+                    mask=mask.to(dev) if mask is not None else torch.ones_like(flat_lp, dtype=torch.float32),
                     seq_ids=seq_ids.to(dev),
                     old_logprobs=old.to(dev) if old is not None else flat_lp.detach().float(),
                     ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),

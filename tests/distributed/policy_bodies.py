@@ -39,20 +39,23 @@ def make_batch(vocab: int, n: int = 6, seed: int = 0) -> RolloutBatch:
 
 
 def hf_reference(model_dir: str, batch: RolloutBatch, lr: float = LR):
-    """Response logprobs at TEMP, then one AdamW step of pg_loss with old = current (detached)."""
+    """Response logprobs at TEMP, then one AdamW step of pg_loss with old = current (detached). With a
+    `batch.loss_mask`, only the kept tokens enter the loss and its normaliser (counted here from the masks)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.train()
     lps = []
-    total = batch.num_response_tokens()
+    masks = batch.loss_mask or [torch.ones(len(ids) - p, dtype=torch.bool)
+                                for ids, p in zip(batch.input_ids, batch.prompt_lens)]
+    total = sum(int(m.sum()) for m in masks)
     loss_sum = 0.0
-    for ids, p, a in zip(batch.input_ids, batch.prompt_lens, batch.advantages):
+    for ids, p, a, m in zip(batch.input_ids, batch.prompt_lens, batch.advantages, masks):
         x = torch.tensor([ids])
         logits = model(x).logits[0, :-1].float() / TEMP
         lp = torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0][p - 1:]
         lps.append(lp.detach())
-        loss = -(a * torch.exp(lp - lp.detach())).sum() / total
+        loss = -(a * torch.exp(lp[m] - lp[m].detach())).sum() / total
         loss.backward()
         loss_sum += float(loss)
     grad_norm = torch.sqrt(sum((q.grad.double() ** 2).sum() for q in model.parameters() if q.grad is not None))

@@ -1,6 +1,7 @@
 """Varlen (THD) packing and cascade shared-prefix attention (policy.packing: varlen, policy.shared_prefix): at DP=2,
 TP=2 and PP=2 the logprobs, loss, gradient norm and updated weights equal the unpacked HF + torch AdamW reference;
-also with padded segments (megatron's cu_seqlens_padded) and with full activation recompute.
+also with padded segments (megatron's cu_seqlens_padded) and with full activation recompute; and with a loss mask
+(multi-turn observation tokens) at DP=2, unpacked and varlen + cascade.
 """
 import pytest
 import torch
@@ -9,7 +10,8 @@ from megatron_rl.distributed.launch import run_distributed
 from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed import varlen_bodies
 
-FAST = ["dp2_varlen", "tp2_cascade", "pp2_cascade"]
+MASKED = ["dp2_masked", "dp2_cascade_masked"]
+FAST = ["dp2_varlen", "tp2_cascade", "pp2_cascade", *MASKED]
 SLOW = [n for n in varlen_bodies.LAYOUTS if n not in FAST]
 
 
@@ -59,14 +61,26 @@ def _check_reference(res, name):
         torch.testing.assert_close(v, ref[k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{name} {k}: {s}")
 
 
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("name", [n for n in FAST if n not in MASKED])
 def test_varlen_layout_is_used(fast, name):
     _check_layout(fast, name)
 
 
-@pytest.mark.parametrize("name", FAST)
+@pytest.mark.parametrize("name", [n for n in FAST if n not in MASKED])
 def test_varlen_equals_hf_reference(fast, name):
     _check_reference(fast, name)
+
+
+@pytest.mark.parametrize("name", MASKED)
+def test_masked_tokens_are_left_out_of_the_loss_and_its_normaliser(fast, name):
+    """Observation tokens are context: the step equals the reference whose loss and normaliser leave them out (so
+    their gradient is exactly zero), and that reference is not the unmasked one (the mask matters here)."""
+    ref = fast["masked_ref"]
+    assert ref["ref_loss"] != pytest.approx(fast["ref_loss"], rel=1e-3)
+    assert ref["ref_norm"] != pytest.approx(fast["ref_norm"], rel=1e-3)
+    r = fast[name]
+    assert r["varlen"] == (name == "dp2_cascade_masked") and r["shared"] == (name == "dp2_cascade_masked")
+    _check_reference({**ref, name: r}, name)
 
 
 @pytest.mark.slow

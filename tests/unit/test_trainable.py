@@ -109,3 +109,28 @@ def test_rescaled_metrics_are_means_over_the_trained_tokens():
     (["policy.moe_aux_loss_coef=0.001"], "policy.moe_aux_loss_coef")])
 def test_terms_with_gradient_on_every_token_turn_it_off(override, key):
     assert why_not_skippable(load_config("configs/demo_cpu.yaml", override, check_model=False)) == key
+
+
+def test_loss_masks_travel_with_the_trained_part_and_set_its_normalisers():
+    """Multi-turn observation tokens (loss_mask False) count in no normaliser: the step's token count is the kept
+    tokens, and the part left after dropping zero-advantage sequences keeps each sequence's own mask."""
+    from megatron_rl.policy.batching import check_batch
+
+    b = _batch(ADV)
+    b.loss_mask = [torch.arange(n) % 3 != 1 for n in LENS]  # every third token from the second on: observation
+    kept = [sum(1 for k in range(n) if k % 3 != 1) for n in LENS]
+    assert b.loss_normalizers() == (sum(kept), len(LENS))
+    part = trainable_part(b)
+    assert [m.tolist() for m in part.loss_mask] == [[k % 3 != 1 for k in range(LENS[i])] for i in (1, 3, 5)]
+    assert part.loss_normalizers() == (sum(kept), len(LENS))
+    # the rescaled per-token metrics are means over the part's kept tokens
+    own = kept[1] + kept[3] + kept[5]
+    assert rescale_metrics({"entropy": 0.5 * own / sum(kept)}, part)["entropy"] == pytest.approx(0.5)
+    assert b.trained_mask().tolist() == [float(k % 3 != 1) for n in LENS for k in range(n)]
+    check_batch(b, vocab_size=100, max_positions=64)
+    b.loss_mask[2] = b.loss_mask[2][:-1]
+    with pytest.raises(ValueError, match=r"loss_mask\[2\] has 5 entries for a response of 6 tokens"):
+        check_batch(b, vocab_size=100, max_positions=64)
+    b.loss_mask[2] = torch.ones(6)
+    with pytest.raises(ValueError, match=r"loss_mask\[2\] has dtype torch.float32"):
+        check_batch(b, vocab_size=100, max_positions=64)
