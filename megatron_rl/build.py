@@ -32,6 +32,7 @@ class Components:
     placement: object
     model_dir: Path
     handover: object  # algorithms.handover.Handover: who holds the device
+    env_pool: object = None  # environments.runner.EnvironmentPool of a multi-turn run (environment.cls), else None
 
     def shutdown(self) -> None:
         # vLLM first: Ray's shutdown otherwise leaks vLLM's /dev/shm segments (its broadcaster outlives a killed actor)
@@ -40,10 +41,11 @@ class Components:
                 part.shutdown()
             except Exception:
                 pass
-        try:
-            self.reward_fn.close()
-        except Exception:
-            pass
+        for closing in (self.reward_fn.close, getattr(self.env_pool, "shutdown", lambda: None)):
+            try:
+                closing()
+            except Exception:
+                pass
         from megatron_rl.distributed.cluster import shutdown_ray
         from megatron_rl.weights.shared_memory import remove_orphaned_files
 
@@ -130,7 +132,13 @@ def build(cfg: Config, out_dir: Path) -> Components:
     handover.generator = generator
     handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()
-    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover)
+    env_pool = None
+    if cfg.environment.cls is not None:  # multi-turn: the environments' worker processes (loading errors name the key)
+        from megatron_rl.environments.runner import EnvironmentPool
+
+        e = cfg.environment
+        env_pool = EnvironmentPool(e.cls, e.kwargs, num_workers=e.num_workers, timeout_s=e.timeout_s)
+    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool)
 
 
 def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:

@@ -54,6 +54,12 @@ class _SeededGenerator:
 def sample_step(cfg, c, step: int, weights_step: int) -> SampledRollout:
     """Generate and score step `step`'s groups with the weights the engines hold now."""
     t0 = time.perf_counter()
+    if cfg.environment.cls is not None:  # multi-turn: trajectories against the environment (episodes.py)
+        from megatron_rl.algorithms.episodes import sample_episodes
+
+        groups, stats = sample_episodes(cfg, c.generator, c.train_stream, c.env_pool, c.tokenizer,
+                                        version=c.handover.version)
+        return SampledRollout(step, groups, stats, weights_step, time.perf_counter() - t0)
     groups, stats = sample_groups(cfg, _SeededGenerator(c.generator, cfg.grpo.seed * 100_003 + step),
                                   c.train_stream, c.reward_fn, c.tokenizer, version=c.handover.version)
     return SampledRollout(step, groups, stats, weights_step, time.perf_counter() - t0)

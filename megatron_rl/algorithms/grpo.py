@@ -26,6 +26,8 @@ from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
+
+MULTITURN_METRICS = ("turns_mean", "tool_calls_mean", "env_errors", "observation_tokens", "env_s")
 from megatron_rl.algorithms.samples import pick_train_samples
 from megatron_rl.algorithms.trainable import rescale_metrics, trainable_part, why_not_skippable
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
@@ -152,6 +154,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
            "truncated_frac": gstats["num_truncated"] / max(gstats["num_samples"], 1),
            "num_generated_tokens": gstats.get("num_generated_tokens", 0),
            "num_prompt_tokens": gstats.get("num_prompt_tokens", 0)}
+    # multi-turn rollouts (algorithms/episodes.py): what the environments did
+    rec.update({k: gstats[k] for k in MULTITURN_METRICS if k in gstats})
     if rewards.numel():  # over the kept groups; absent (not 0) when dynamic sampling dropped every group
         rec.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if rewards.numel() > 1 else 0.0)
     if len(batch) == 0:

@@ -71,9 +71,11 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     baseline, but a cut-off reasoning chain is neither reinforced nor punished."""
     # no group kept (dynamic sampling dropped all): nothing to normalise
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
-    ids, plens, advs, gen_lps, gids, texts = [], [], [], [], [], []
+    ids, plens, advs, gen_lps, gids, texts, masks = [], [], [], [], [], [], []
     for gi, (item, samples) in enumerate(groups.payloads):
-        for j, (tok, lps, text, finish, *_) in enumerate(samples):  # *_: the extracted answer
+        # a sample: (response ids, logprobs, text, finish reason, extracted answer[, loss mask: multi-turn,
+        # episodes.py])
+        for j, (tok, lps, text, finish, *rest) in enumerate(samples):
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
                 continue
@@ -86,6 +88,10 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
             gen_lps.append(torch.tensor(lps, dtype=torch.float32))
             gids.append(gi)
             texts.append(text)
-    batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids)
+            masks.append(rest[1] if len(rest) > 1 else None)
+    multiturn = any(m is not None for m in masks)
+    batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids,
+                         loss_mask=[m if m is not None else torch.ones(len(i) - p, dtype=torch.bool)
+                                    for m, i, p in zip(masks, ids, plens)] if multiturn else None)
     stats["num_nonfinite_rewards"] = num_bad
     return Rollout(batch=batch, rewards=groups.rewards, completions=texts, stats=stats)

@@ -40,6 +40,7 @@ class PromptItem:
     # reasoning-gym: task, task_params, entry; jsonl: line, extras; hf: file, row, the record's other fields
     meta: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # "reasoning_gym:<task>", "jsonl:<path>" or "hf:<path>"
+    problem: Any = None  # the question as the dataset gave it (text, or messages): what an environment's reset reads
 
 
 class PromptDataset:
@@ -72,7 +73,8 @@ class PromptDataset:
         if len(ids) > self.cfg.max_prompt_tokens:
             self._too_long.add(idx)
             return None
-        return PromptItem(prompt_ids=ids, prompt_text=text, answer=answer, meta=meta, source=self.source)
+        return PromptItem(prompt_ids=ids, prompt_text=text, answer=answer, meta=meta, source=self.source,
+                          problem=problem)
 
     @property
     def num_too_long(self) -> int:

@@ -45,6 +45,14 @@ class GeneratorActor:
             set_cpu_threads(self.threads)
         return self.engine.generate(prompts, **kw)
 
+    def turns(self, requests, *, sampling: dict, max_s: float = 0.5) -> dict:
+        """Multi-turn rollouts: queue turns and return those that finished (VLLMGenerator.turns)."""
+        if self.threads:
+            from megatron_rl.platform import set_cpu_threads
+
+            set_cpu_threads(self.threads)
+        return self.engine.turns(requests, sampling=sampling, max_s=max_s)
+
     def receive_weights(self, handle, expected_names=None) -> dict:
         return self.engine.receive_weights(handle, expected_names)
 

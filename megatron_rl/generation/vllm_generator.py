@@ -196,6 +196,66 @@ class VLLMGenerator(Generator):
                         "tokens_per_s": result.num_generated_tokens / max(elapsed, 1e-9)}
         return result
 
+    # ------------------------------------------------------------------------------------------ multi-turn requests
+    def submit(self, requests: list[tuple[str, list[int], int]], *, temperature: float, top_p: float, top_k: int,
+               stop: list[str] | None = None) -> None:
+        """Queue single-sample requests (key, prompt ids, max new tokens) without waiting for them: `poll` runs the
+        engine and returns each as it finishes. A multi-turn rollout (`algorithms/multiturn.py`) submits a
+        trajectory's next turn as soon as its environment answered, so the engine's continuous batching keeps every
+        ready trajectory in flight, and its prefix cache holds each conversation from turn to turn (the next turn's
+        prompt is the previous one plus what was generated and observed)."""
+        from vllm import SamplingParams
+
+        self._check_usable()
+        if not hasattr(self, "_pending"):
+            self._pending: dict[str, str] = {}  # request id (vLLM reports the one it was given) -> the caller's key
+        engine = self._llm.llm_engine
+        for key, prompt, max_tokens in requests:
+            params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0
+                                    else 0, max_tokens=max_tokens, stop=list(stop) if stop else None, logprobs=0,
+                                    # the stop string stays in the text, so the text is what the ids say (a
+                                    # stop string cut from the text but not from the ids is a retokenization trap)
+                                    detokenize=bool(stop), include_stop_str_in_output=True)
+            rid = f"mt-{key}"
+            if rid in self._pending:
+                raise ValueError(f"request {key!r} is already running on this engine")
+            engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params)
+            self._pending[rid] = key
+
+    def poll(self, max_s: float = 0.5) -> list[tuple[str, list[int], list[float], str]]:
+        """Run the engine until at least one submitted request finishes (or `max_s` passes, or none is left);
+        returns the finished ones as (key, token ids, logprobs, finish reason)."""
+        self._check_usable()
+        pending = getattr(self, "_pending", {})
+        engine = self._llm.llm_engine
+        done, t0 = [], time.perf_counter()
+        with self._generation_threads():
+            while pending and not done and time.perf_counter() - t0 < max_s:
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    key = pending.pop(out.request_id, None)
+                    if key is None:
+                        raise RuntimeError(f"vLLM finished request {out.request_id!r}, which this engine never "
+                                           f"submitted (pending: {sorted(pending)[:5]})")
+                    c = out.outputs[0]
+                    if c.finish_reason not in FINISH_REASONS:
+                        raise RuntimeError(f"request {key} ended with {c.finish_reason!r}")
+                    ids = list(c.token_ids)
+                    done.append((key, ids, [float(pos[t].logprob) for pos, t in zip(c.logprobs, ids)],
+                                 c.finish_reason))
+        return done
+
+    def num_pending(self) -> int:
+        return len(getattr(self, "_pending", {}))
+
+    def turns(self, requests: list[tuple[str, list[int], int]], *, sampling: dict, max_s: float = 0.5) -> dict:
+        """`submit` then `poll` in one call (one round trip for an engine actor): {"finished": poll's list,
+        "pending": requests still running, "version": the weights they ran on}."""
+        if requests:
+            self.submit(requests, **sampling)
+        return {"finished": self.poll(max_s), "pending": self.num_pending(), "version": self._version}
+
     # ------------------------------------------------------------------------------------------------------ refit
     @property
     def weight_version(self) -> int:
