@@ -10,8 +10,8 @@ so modules that `files` puts in the working directory import. The process gets:
   no core dumps, an 8 MiB stack;
 - a per-call pids cgroup (at most 64 processes) and, where the memory hierarchy is writable, a memory cgroup that
   caps the whole process tree at `memory_mb`. The child joins them before exec; afterwards everything left in them
-  is killed and they are removed. Without a writable pids cgroup: RLIMIT_NPROC (per uid, so only once root is
-  given up; root ignores it);
+  is killed and they are removed. Without a writable pids cgroup: RLIMIT_NPROC, and leftovers found by their uid
+  (both need the uid drop: root ignores RLIMIT_NPROC);
 - where the kernel allows (probed once per process): a network namespace of its own (no interface but a downed
   loopback: no connection anywhere, the parent's listening ports included), a mount namespace with a private empty
   tmpfs over /tmp, /var/tmp, /dev/shm and /run/lock, and an unprivileged uid of its own (one of a pool of 1,024
@@ -30,6 +30,7 @@ system calls (no imports, no locks) to stay clear of that.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import resource
@@ -78,6 +79,7 @@ class _Features:
 
 _probed: _Features | None = None
 _probe_lock = threading.Lock()
+_slots = itertools.count()  # where each call's uid lease starts looking: round the pool
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, stdin: str = "",
@@ -99,8 +101,9 @@ def capabilities() -> dict:
     cg = f.cgroups
     notes = []
     if not cg:
-        notes.append("no writable pids cgroup: processes capped by RLIMIT_NPROC" if f.unprivileged else
-                     "no writable pids cgroup and no uid drop: the number of processes is not capped")
+        notes.append("no writable pids cgroup: processes capped by RLIMIT_NPROC, leftovers found by their uid"
+                     if f.unprivileged else "no writable pids cgroup and no uid drop: the number of processes is "
+                     "not capped, and a process that leaves the session (setsid) can outlive the run")
     if not (cg and cg.memory):
         notes.append("no memory cgroup: memory is capped per process (RLIMIT_AS), not for the whole tree")
     if not f.net:
@@ -163,7 +166,7 @@ def _execute(code: str, timeout_s: float, memory_mb: int, stdin: str, output_lim
              files: dict[str, str] | None, feat: _Features) -> SandboxResult:
     try:
         root = sos.state_dir()
-        lease = sos.UidLease(root, UID_POOL)
+        lease = sos.UidLease(root, UID_POOL, next(_slots))
     except (OSError, RuntimeError) as e:
         return SandboxResult("", f"sandbox: {e}", None, "sandbox_error", 0.0)
     uid = UID_BASE + lease.slot if feat.unprivileged else None
@@ -182,7 +185,7 @@ def _execute(code: str, timeout_s: float, memory_mb: int, stdin: str, output_lim
                 cg.kill()
                 cg.remove()
             elif uid is not None:
-                sos.kill_uid(uid)  # setsid() escapes the process group; without a cgroup the uid finds them
+                sos.kill_uid(uid)
         finally:
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -236,6 +239,8 @@ def _spawn_and_wait(code, timeout_s, memory_mb, stdin, output_limit, feat, workd
             pass
         if cg:
             cg.kill()
+        elif uid is not None:
+            sos.kill_uid(uid)  # setsid() escapes the process group; without a cgroup the uid finds them
 
     try:
         out, err, ended_by = _communicate(proc, stdin.encode(), output_limit, t0 + timeout_s, kill_tree)

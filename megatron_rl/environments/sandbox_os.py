@@ -348,10 +348,11 @@ def state_dir() -> str:
 class UidLease:
     """One slot of the uid pool, held (flock) for the call: no two live calls, in this process or another, share a
     uid, so one program cannot signal, ptrace or read the files of another that runs at the same time. A crashed
-    holder's lock goes with its file descriptors."""
+    holder's lock goes with its file descriptors. The scan starts at `start` (the caller rotates it): a uid just
+    given back may still have zombies, which count against RLIMIT_NPROC until init reaps them."""
 
-    def __init__(self, root: str, pool: int):
-        for slot in range(pool):
+    def __init__(self, root: str, pool: int, start: int = 0):
+        for slot in [(start + i) % pool for i in range(pool)]:
             fd = os.open(os.path.join(root, "locks", str(slot)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,6 +3,7 @@ its timeout (a generous liveness bound, not a speed target), ends with the right
 (no process of a sandbox uid, no per-call cgroup, no workdir: checked after every test)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import tempfile
@@ -101,6 +102,10 @@ def test_fork_bomb_is_capped_and_leaves_nothing():
     assert r.reason in ("error", "timeout"), r  # error: the main process's fork hit the cap and raised
     if r.reason == "error" and CAPS["pids_cgroup"]:
         assert "BlockingIOError" in r.stderr
+    # a child that leaves the session escapes the process group, not the cgroup (nor, without one, its uid)
+    r, wall = timed("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\nprint('left')",
+                    timeout_s=3)
+    assert (r.reason, r.stdout) == ("ok", "left\n") and wall < 3 + SLACK_S, r
     # the autouse fixture then checks: no process of a sandbox uid, no cgroup, no workdir
 
 
@@ -212,3 +217,17 @@ def test_cannot_kill_its_parent_or_a_concurrent_sandbox():
     victim.join()
     assert (results["victim"].reason, results["victim"].stdout) == ("ok", "alive\n"), results
     assert results["killer"].reason == "ok", results
+
+
+def test_without_a_pids_cgroup_rlimit_nproc_and_the_uid_contain():
+    """The fallback where no pids cgroup is writable, forced here: RLIMIT_NPROC caps a fork bomb, and a process
+    that left the session is found by its uid and killed when the main process exits."""
+    if not CAPS["unprivileged"]:
+        pytest.skip("RLIMIT_NPROC needs the uid drop (root ignores it)")
+    feat = dataclasses.replace(sandbox._features(), cgroups=None)
+    t = time.monotonic()
+    r = sandbox._execute("import os\nwhile True: os.fork()", 3, 512, "", 65536, None, feat)
+    assert r.reason in ("error", "timeout") and time.monotonic() - t < 3 + SLACK_S, r
+    r = sandbox._execute("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\nprint('left')",
+                         3, 512, "", 65536, None, feat)
+    assert (r.reason, r.stdout) == ("ok", "left\n"), r
