@@ -62,7 +62,6 @@ def test_capabilities_on_a_root_container_with_the_capabilities():
     if os.geteuid() != 0 or cap_eff & (1 << 6 | 1 << 7 | 1 << 21) != (1 << 6 | 1 << 7 | 1 << 21):
         pytest.skip(f"not root with setuid/setgid/sys_admin: {CAPS}")
     assert CAPS["unprivileged"] and CAPS["network_isolated"] and CAPS["private_mounts"], CAPS
-    assert CAPS["not_enforced"] == [] or not CAPS["pids_cgroup"], CAPS
 
 
 def test_positive_cases(tmp_path):
