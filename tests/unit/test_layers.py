@@ -2,7 +2,7 @@
 
 Read from the source (ast), function-local imports included: a lazy import is still a dependency. Checked for the
 modules whose upward imports issue 31 removed (the model card, the pre-flight, the GRPO loop, evaluation) and for the
-planner package.
+planner and environments packages.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ FLOORS = (
     ("composition and entry", {"build", "api", "cli", "__main__"}),
 )
 CHECKED = ["weights/model_card.py", "config/preflight.py", "algorithms/grpo.py", "algorithms/evaluate.py",
-           *sorted(str(p.relative_to(PKG)) for p in (PKG / "planner").glob("*.py"))]
+           *sorted(str(p.relative_to(PKG)) for p in (PKG / "planner").glob("*.py")),
+           *sorted(str(p.relative_to(PKG)) for p in (PKG / "environments").glob("*.py"))]
 
 
 def floor_of(top: str) -> int:

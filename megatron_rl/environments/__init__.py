@@ -1,0 +1,2 @@
+"""Environments: the environment contract, the built-in environments, and the sandbox (`sandbox.py`) that runs
+model-written Python code for them."""
