@@ -26,7 +26,8 @@ Failures end only the trajectory concerned, which gets `interface.error_result` 
 
 Workers come from the same forkserver as the reward verifiers (rewards/pool.py: preloaded with math-verify and
 reasoning-gym, never a fork of the driver) and never re-run the driver's main module (mp_main.main_hidden).
-The pool is not thread-safe: one caller drives it.
+A call interrupted in the driver (Ctrl-C) retires the workers that were running one: they would answer the next
+request with the old reply. The pool is not thread-safe: one caller drives it.
 """
 from __future__ import annotations
 
@@ -94,6 +95,13 @@ class EnvironmentPool:
             self.shutdown()
             raise
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> "EnvironmentPool":
+        """The pool of an EnvironmentConfig (the config's `environment` section)."""
+        if cfg.cls is None:
+            raise ValueError("environment.cls is not set: single-turn rollouts need no environment pool")
+        return cls(cfg.cls, cfg.kwargs, cfg.num_workers, cfg.timeout_s)
+
     # ------------------------------------------------------------------------------------------------ lifecycle
 
     def _start(self, indices) -> None:
@@ -109,6 +117,16 @@ class EnvironmentPool:
                 child_end.close()
                 self._workers[i] = _Worker(proc, parent_end)
                 pending[i] = parent_end
+        try:
+            self._wait_ready(pending)
+        except BaseException:
+            for i in pending:  # not ready: such a worker must never be taken for a started one
+                self._kill(self._workers[i])
+                self._workers[i] = None
+            raise
+
+    def _wait_ready(self, pending: dict) -> None:
+        """Wait for ("ready", pid) from each worker in pending (index -> connection), removing them as they come."""
         deadline = time.monotonic() + self.startup_timeout_s
         while pending:
             ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
@@ -132,15 +150,19 @@ class EnvironmentPool:
 
     def _replace(self, i: int, why: str) -> None:
         """Kill worker i (if alive), hand its trajectories to _lost and start a new worker in its place."""
+        self._retire(i, why)
+        self._start([i])
+
+    def _retire(self, i: int, why: str) -> None:
+        """Kill worker i and hand its trajectories to _lost; the slot is empty until _start fills it."""
         w = self._workers[i]
         if w is not None:
             self._kill(w)
             for tid in w.tids:
                 self._owner.pop(tid, None)
                 self._lost[tid] = why
+            self.num_restarts += 1
         self._workers[i] = None
-        self.num_restarts += 1
-        self._start([i])
 
     @staticmethod
     def _kill(w: _Worker) -> None:
@@ -155,9 +177,12 @@ class EnvironmentPool:
         w.conn.close()
 
     def _check_alive(self) -> None:
-        """Replace workers that died between calls (killed from outside while idle)."""
+        """Replace workers that died between calls (killed from outside while idle), and fill slots emptied by an
+        interrupted call."""
         for i, w in enumerate(self._workers):
-            if w is not None and not w.proc.is_alive():
+            if w is None:
+                self._start([i])
+            elif not w.proc.is_alive():
                 self._replace(i, f"worker {w.pid} died between calls ({_exit_name(w.proc.exitcode)})")
 
     def shutdown(self) -> None:
@@ -206,8 +231,15 @@ class EnvironmentPool:
             # is replaced runs on the new one, it has no state to lose
             self._owner[tid] = i
             calls.append((tid, ("reset", tid, item)))
+        try:
+            results = self._run(calls)
+        except BaseException:
+            # interrupted (Ctrl-C) or a replacement worker that would not start: none of these resets happened
+            for tid in ids:
+                self._owner.pop(tid, None)
+            raise
         out = []
-        for tid, (status, value) in zip(ids, self._run(calls)):
+        for tid, (status, value) in zip(ids, results):
             if status == "ok":
                 self._workers[self._owner[tid]].tids.add(tid)
                 out.append(value)
@@ -289,6 +321,17 @@ class EnvironmentPool:
     def _run(self, calls: list[tuple[Hashable, tuple]]) -> list[tuple[str, Any]]:
         """Send each call to the worker holding its trajectory, at most one in flight per worker; (status, value)
         per call. Status: ok, raised, timeout, garbage (from the worker) or worker_died."""
+        inflight: dict[int, tuple[int, float]] = {}  # worker index -> (call, hard deadline)
+        try:
+            return self._dispatch(calls, inflight)
+        except BaseException:
+            # interrupted (Ctrl-C) or a replacement that would not start: a worker still running a call would
+            # answer the NEXT request with this call's reply, so those workers go (replaced at the next call)
+            for i in list(inflight):
+                self._retire(i, "worker killed: a call of its batch was interrupted")
+            raise
+
+    def _dispatch(self, calls: list[tuple[Hashable, tuple]], inflight: dict) -> list[tuple[str, Any]]:
         results: list[Optional[tuple[str, Any]]] = [None] * len(calls)
         queues: dict[int, deque] = {}
         for k, (tid, _) in enumerate(calls):
@@ -296,7 +339,6 @@ class EnvironmentPool:
                 results[k] = ("worker_died", self._lost[tid])
             else:
                 queues.setdefault(self._owner[tid], deque()).append(k)
-        inflight: dict[int, tuple[int, float]] = {}  # worker index -> (call, hard deadline)
         while any(queues.values()) or inflight:
             for i, q in queues.items():
                 while q and i not in inflight:

@@ -61,6 +61,18 @@ class Scripted:
         return StepResult([{"role": "user", "content": f"{self.greeting} {self.n}"}], 0.0, False)
 
 
+class BadWarmup(Scripted):
+    @classmethod
+    def warmup(cls):
+        raise OSError("cannot reach the tool server")
+
+
+class SlowWarmup(Scripted):
+    @classmethod
+    def warmup(cls):
+        time.sleep(60)
+
+
 class NotAnEnvironment:
     def reset(self, item):
         return []
@@ -201,3 +213,53 @@ def test_start_up_names_environment_cls_and_what_is_wrong(cls_path, kwargs, mess
     with pytest.raises(EnvironmentLoadError, match="environment.cls") as e:
         EnvironmentPool(cls_path, kwargs, num_workers=1, timeout_s=TIMEOUT)
     assert message in str(e.value)
+
+
+def test_from_config():
+    from megatron_rl.config.schema import EnvironmentConfig
+
+    with pytest.raises(ValueError, match="environment.cls is not set"):
+        EnvironmentPool.from_config(EnvironmentConfig())
+    with EnvironmentPool.from_config(EnvironmentConfig(cls=CLS, kwargs={"greeting": "n ="}, num_workers=1)) as pool:
+        assert (pool.num_workers, pool.timeout_s) == (1, 10.0)
+        pool.reset(["a"], [{}])
+        assert pool.step(["a"], [assistant()])[0].observation[0]["content"] == "n = 1"
+    assert pool.worker_pids() == []  # shut down on leaving the block
+
+
+def test_warmup_failures_stop_the_start_and_leave_no_worker():
+    import multiprocessing
+
+    with pytest.raises(RuntimeError, match="warmup\\(\\) raised OSError: cannot reach the tool server"):
+        EnvironmentPool(f"{__name__}:BadWarmup", {}, num_workers=2, timeout_s=TIMEOUT)
+    with pytest.raises(RuntimeError, match="did not start within 2s"):
+        EnvironmentPool(f"{__name__}:SlowWarmup", {}, num_workers=1, timeout_s=TIMEOUT, startup_timeout_s=2)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("env-worker")]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_call_retires_the_busy_worker():
+    """A call interrupted in the driver (Ctrl-C; here an alarm) leaves a worker that would answer the next request
+    with the old reply: that worker is replaced, the idle one keeps its trajectories."""
+    def interrupt(signum, frame):
+        raise Interrupted()
+
+    with EnvironmentPool(CLS, {}, num_workers=2, timeout_s=30) as pool:
+        pool.reset(["hang", "ok"], [{"mode": "hang"}, {}])
+        busy, idle = pool.worker_of("hang"), pool.worker_of("ok")
+        assert pool.step(["ok"], [assistant()])[0].observation[0]["content"] == "count 1"
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            with pytest.raises(Interrupted):
+                pool.step(["hang"], [assistant()])
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert busy not in pool.worker_pids() and idle in pool.worker_pids()
+        assert pool.step(["hang"], [assistant()])[0].metrics["env_error"] == "worker_died"
+        assert pool.step(["ok"], [assistant()])[0].observation[0]["content"] == "count 2"
+        assert len(pool.worker_pids()) == 2
