@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -41,6 +42,20 @@ REFUSED_VALUES = {
                 "unscale gradients of a loss that was never scaled, so the run cannot learn); use bf16 (or fp32)",
     },
 }
+
+
+# "package.module:Class": dotted identifiers, one colon; the attribute may itself be dotted (Outer.Inner)
+_CLASS_PATH_RE = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
+
+
+def check_class_path(value: Any, key: str) -> tuple[str, str]:
+    """(module, qualname) of an import path "package.module:Class", or a ConfigError naming `key`. The one rule for
+    such keys: the config checks the form here, the environment loader imports what it names."""
+    if not isinstance(value, str) or not _CLASS_PATH_RE.match(value.strip()):
+        raise ConfigError(f"{key}={value!r} must be an import path 'package.module:Class' (a module Python can "
+                          "import, a colon, the class name; e.g. megatron_rl.environments.guess_number:GuessNumber)")
+    module, qualname = value.strip().split(":")
+    return module, qualname
 
 
 # ---------------------------------------------------------------------------------------------------- YAML layering
@@ -244,6 +259,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
         raise ConfigError(f"generation.gpu_memory_utilization must be in (0, 1], got "
                           f"{cfg.generation.gpu_memory_utilization}")
     _validate_data(cfg)
+    _validate_environment(cfg)
     if check_model:
         validate_against_model(cfg)
     return cfg
@@ -266,6 +282,31 @@ def _validate_data(cfg: Config) -> None:
     if cfg.reward.kind == "reasoning_gym" and d.source != "reasoning_gym":
         raise ConfigError(f"reward.kind=reasoning_gym scores reasoning-gym tasks only, not data.source={d.source}; "
                           "use reward.kind=auto (math-verify for jsonl and hf data) or math")
+
+
+def _validate_environment(cfg: Config) -> None:
+    """The environment section's numbers always (a typo is caught before it is switched on); the class path's form
+    and the token budget against the prompt and the engine's context only when an environment is set."""
+    e = cfg.environment
+    for key, v in {"environment.max_turns": e.max_turns, "environment.max_tokens": e.max_tokens,
+                   "environment.num_workers": e.num_workers}.items():
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1, got {v}")
+    if not e.timeout_s > 0:
+        raise ConfigError(f"environment.timeout_s must be > 0, got {e.timeout_s}")
+    for i, s in enumerate(e.stop):
+        if not s:
+            raise ConfigError(f"environment.stop[{i}] is empty: an empty stop string would end every turn at once")
+    if e.cls is None:
+        return
+    check_class_path(e.cls, "environment.cls")
+    if e.max_tokens <= cfg.data.max_prompt_tokens:
+        raise ConfigError(f"environment.max_tokens={e.max_tokens} (a whole trajectory) leaves no room after "
+                          f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    if cfg.generation.max_model_len is not None and cfg.generation.max_model_len < e.max_tokens:
+        raise ConfigError(f"generation.max_model_len={cfg.generation.max_model_len} is shorter than "
+                          f"environment.max_tokens={e.max_tokens}: the engine could not hold a whole trajectory "
+                          "(leave generation.max_model_len unset to size it from environment.max_tokens)")
 
 
 def _validate_algorithm(cfg: Config) -> None:

@@ -1,7 +1,8 @@
 """The typed configuration tree. Every default lives here, once.
 
 Sections mirror the system's parts: where it runs (cluster), the trainer (policy), the rollout engine (generation),
-the algorithm (grpo), the prompts (data), the verifier (reward), and what is kept (checkpoint, logging, output).
+the algorithm (grpo), the prompts (data), the verifier (reward), multi-turn rollouts (environment), and what is kept
+(checkpoint, logging, output).
 `megatron_rl.config.loader` turns YAML + command-line overrides into these dataclasses and validates them.
 """
 from __future__ import annotations
@@ -239,6 +240,25 @@ class RewardConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts: after each assistant turn an environment (a user class, run in worker processes by
+    megatron_rl/environments/runner.py) answers with tool results or feedback, until it says done. The contract and
+    the built-in environments: docs/environments.md."""
+    # "package.module:Class" (e.g. megatron_rl.environments.guess_number:GuessNumber). None: single-turn rollouts,
+    # the completion scored by the reward section, as without this section
+    cls: Optional[str] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the class: cls(**kwargs), one per trajectory
+    max_turns: int = 4  # assistant turns per trajectory; the one that reaches it ends the trajectory
+    # tokens of a whole trajectory (prompt, every turn, every observation); also the engine's context when set
+    # (Config.max_model_len)
+    max_tokens: int = 2048
+    # per-turn stop strings: a turn ends at a complete tool call, so the environment can answer it
+    stop: list[str] = field(default_factory=lambda: ["</tool_call>"])
+    timeout_s: float = 10.0  # per reset()/step() call; one that overruns ends its trajectory (env_error "timeout")
+    num_workers: int = 2  # environment worker processes; each holds the instances of the trajectories routed to it
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = 20
     keep_last: int = 2
@@ -300,6 +320,7 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -307,5 +328,9 @@ class Config:
     init_from: Optional[str] = None
 
     def max_model_len(self) -> int:
-        """The engine's context: generation.max_model_len, by default the longest prompt plus the response budget."""
-        return self.generation.max_model_len or (self.data.max_prompt_tokens + self.generation.max_new_tokens)
+        """The engine's context: generation.max_model_len, by default the longest prompt plus the response budget
+        (multi-turn: the larger of that and environment.max_tokens, the whole trajectory)."""
+        if self.generation.max_model_len:
+            return self.generation.max_model_len
+        single = self.data.max_prompt_tokens + self.generation.max_new_tokens
+        return max(single, self.environment.max_tokens) if self.environment.cls is not None else single

@@ -76,18 +76,30 @@ def _init_worker(memory_mb: int, warm: Sequence[tuple[str, str]], go: Any, owner
     global _GO
     for module, qualname in warm:
         resolve(module, qualname)
+    limit_address_space(memory_mb)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # math-verify warns that its own (signal-based) timeouts are off: we time out around it instead
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    watch_owner(owner_pid)
+    _GO = go
+
+
+def limit_address_space(memory_mb: int) -> None:
+    """RLIMIT_AS of this process to memory_mb (0 or less: unchanged), never above the hard limit: a runaway
+    allocation raises MemoryError here instead of swapping the host. Also used by the environment workers."""
     if memory_mb and memory_mb > 0:
         limit = int(memory_mb) * 2 ** 20
         _, hard = resource.getrlimit(resource.RLIMIT_AS)
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # math-verify warns that its own (signal-based) timeouts are off: we time out around it instead
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def watch_owner(owner_pid: int) -> None:
+    """Exit this worker when process owner_pid is gone (see _exit_with); 0: no watch. Also used by the environment
+    workers."""
     if owner_pid:
         threading.Thread(target=_exit_with, args=(owner_pid,), daemon=True, name="owner-watchdog").start()
-    _GO = go
 
 
 def resolve(module: str, qualname: str) -> Callable:

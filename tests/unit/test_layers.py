@@ -15,8 +15,9 @@ PKG = Path(__file__).resolve().parents[2] / "megatron_rl"
 
 # floors, lowest first, by the first name under megatron_rl (coarser than DESIGN's table: within a floor any import)
 FLOORS = (
-    ("ground", {"platform", "paths", "lifecycle", "config", "data", "rewards", "models", "distributed", "weights",
-                "planner"}),
+    ("ground", {"platform", "paths", "lifecycle", "mp_main", "config", "data", "rewards", "models", "distributed",
+                "weights", "planner"}),
+    # environments: on config, data and rewards below; generation and the algorithms (the rollout loop) import it
     ("workers", {"environments", "policy", "generation"}),
     ("algorithms", {"algorithms"}),
     ("composition and entry", {"build", "api", "cli", "__main__"}),
@@ -72,3 +73,12 @@ def test_the_check_sees_lazy_and_package_imports(tmp_path, monkeypatch):
     assert upward_imports("weights/x.py") == [
         "megatron_rl/weights/x.py:1 imports megatron_rl.build (composition and entry, above ground)",
         "megatron_rl/weights/x.py:4 imports megatron_rl.algorithms.tracking (algorithms, above ground)"]
+
+
+def test_environments_import_only_the_ground_floor():
+    """Generation and the rollout loop will import the environments, so these must not import workers-floor
+    packages (policy, generation) either: they stand on config, data and rewards."""
+    found = [f"megatron_rl/environments/{p.name}:{line} imports {m}"
+             for p in sorted((PKG / "environments").glob("*.py")) for line, m in imported(p)
+             if floor_of(m.split(".")[1]) > 0 and m.split(".")[1] != "environments"]
+    assert found == []
