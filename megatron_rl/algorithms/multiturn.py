@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from megatron_rl.environments.chat import continuation_ids
+from megatron_rl.environments.chat import continuation, prompt_ids
 
 
 @dataclass
@@ -134,7 +134,7 @@ def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Li
             _fail(t, f"{messages.kind}: {messages.detail}", stats)
             continue
         t.messages = list(messages)
-        t.prompt_ids = tokenizer.apply_chat_template(t.messages, add_generation_prompt=True)
+        t.prompt_ids = prompt_ids(tokenizer, t.messages)
         t.ids = list(t.prompt_ids)
         queue[t.group % len(engines)].append(_request(t, limits))
 
@@ -178,8 +178,7 @@ def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Li
             if t.turns >= limits.max_turns:
                 _end(t, "length", env)
                 continue
-            obs = continuation_ids(tokenizer, t.messages[:-1], t.messages[-1], r.observation,
-                                   sampled_ids=ids, finish_reason=reason)
+            obs = continuation(tokenizer, t.messages, t.ids, r.observation).ids
             t.messages += r.observation
             if len(t.ids) + len(obs) >= limits.max_tokens:
                 _end(t, "length", env)  # no room for the observation and a turn after it

