@@ -2,13 +2,14 @@
 
 A random tiny model writes no parsable tool call or guess, so these answer whatever it writes: `Turns` replies for
 `turns` turns (a user message and a tool message alternately, so both roles' template markers appear), with a 0.25
-reward per step and 1.0 at the end; item["fail_at"] makes it raise at that step (an environment error)."""
+reward per step and 1.0 at the end (with `vary`, the end's reward is instead the last reply's length mod 3 over 2, so a
+GRPO group's rewards differ); item["fail_at"] makes it raise at that step (an environment error)."""
 from megatron_rl.environments.interface import Environment, StepResult
 
 
 class Turns(Environment):
-    def __init__(self, turns: int = 3):
-        self.turns, self.seen = turns, 0
+    def __init__(self, turns: int = 3, vary: bool = False):
+        self.turns, self.vary, self.seen = turns, vary, 0
 
     def reset(self, item):
         self.fail_at = item.get("fail_at")
@@ -20,7 +21,8 @@ class Turns(Environment):
         if self.seen == self.fail_at:
             raise RuntimeError("the tool crashed")
         if self.seen >= self.turns:
-            return StepResult(None, 1.0, True, {"tool_calls": self.seen - 1})
+            end = len(messages[-1]["content"]) % 3 / 2 if self.vary else 1.0
+            return StepResult(None, end, True, {"tool_calls": self.seen - 1})
         role = "tool" if self.seen % 2 else "user"
         return StepResult([{"role": role, "content": f"step {self.seen}: you wrote {len(messages[-1]['content'])} "
                                                      "characters"}], 0.25, False)
