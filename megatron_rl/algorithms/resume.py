@@ -22,13 +22,13 @@ from megatron_rl.config import Config, ConfigError, to_dict
 # Key paths (a section or one key) whose change makes a resumed run a different run than the one checkpointed: the
 # prompts it trains on and their order, the model, the objective, the sampling the loss assumes, the reward.
 RUN_KEYS = ("data", "policy.model", "policy.tokenizer", "grpo", "reward", "init_from", "generation.temperature",
-            "generation.top_p", "generation.top_k", "generation.max_new_tokens", "generation.stop")
+            "generation.top_p", "generation.top_k", "generation.max_new_tokens", "generation.stop", "environment")
 # Keys inside those that do not: how long to train (raised to continue a finished run), validation, the run's
 # abort thresholds, and the verifier's process count and memory cap.
 FREE_KEYS = ("grpo.max_steps", "grpo.val_every", "grpo.val_num_prompts", "grpo.val_pass_k", "grpo.max_nonfinite_steps",
              "grpo.max_empty_steps", "grpo.mismatch_guard", "grpo.mismatch_max_token_mult_prob_error",
              "grpo.mismatch_max_gen_kl_error", "data.val_seed", "data.val_path", "reward.num_workers",
-             "reward.worker_memory_mb")
+             "reward.worker_memory_mb", "environment.num_workers", "environment.timeout_s")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,11 @@ def changed_run_keys(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """(key path, saved value, current value) of each key in RUN_KEYS (but FREE_KEYS) that differs; a key present
     on one side only counts as changed (value None on the other)."""
     a, b = _flatten(saved), _flatten(current)
-    keys = sorted(k for k in set(a) | set(b) if _under(k, RUN_KEYS) and not _under(k, FREE_KEYS))
+    single_turn = a.get("environment.cls") is None and b.get("environment.cls") is None
+    # a single-turn run (on both sides) uses no other environment key; configs saved before the section existed lack
+    # it, and their runs must still resume
+    keys = sorted(k for k in set(a) | set(b) if _under(k, RUN_KEYS) and not _under(k, FREE_KEYS)
+                  and not (single_turn and _under(k, ("environment",))))
     return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
 
 

@@ -108,3 +108,14 @@ def test_saved_config_round_trips_without_changes(tmp_path):
     cfg = _cfg("policy.optimizer.lr=3e-6", "generation.stop=['</answer>']", "grpo.loss.ratio_clip_c=3")
     dump_yaml(cfg, tmp_path / "config.yaml")
     assert resume.changed_run_keys(yaml.safe_load((tmp_path / "config.yaml").read_text()), to_dict(cfg)) == []
+
+
+def test_environment_keys_change_a_multiturn_run_only():
+    saved = to_dict(_cfg())
+    before_section = {k: v for k, v in saved.items() if k != "environment"}  # a config.yaml older than the section
+    assert resume.changed_run_keys(before_section, saved) == []
+    multi = to_dict(_cfg("environment.cls=megatron_rl.environments.guess_number:GuessNumber"))
+    assert [k for k, _, _ in resume.changed_run_keys(saved, multi)] == ["environment.cls"]
+    more_turns = to_dict(_cfg("environment.cls=megatron_rl.environments.guess_number:GuessNumber",
+                              "environment.max_turns=6", "environment.num_workers=4", "environment.timeout_s=30"))
+    assert resume.changed_run_keys(multi, more_turns) == [("environment.max_turns", 4, 6)]
