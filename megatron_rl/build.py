@@ -137,7 +137,7 @@ def build(cfg: Config, out_dir: Path) -> Components:
         from megatron_rl.environments.runner import EnvironmentPool
 
         e = cfg.environment
-        env_pool = EnvironmentPool(e.cls, e.kwargs, num_workers=e.num_workers, timeout_s=e.timeout_s)
+        env_pool = EnvironmentPool.from_config(e)
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool)
 
 

@@ -3,7 +3,9 @@
     megatron-rl eval --model DIR [--config YAML] [--data TASK | --jsonl FILE] [--n K] [--num-prompts N] [a.b=c ...]
 
 pass@1 is the mean score over all n samples of every prompt (an unbiased estimate of single-sample accuracy);
-pass@k is the fraction of prompts with at least one correct sample among the k drawn.
+pass@k is the fraction of prompts with at least one correct sample among the k drawn. With `environment.cls` a
+sample is a whole multi-turn episode against the environment, correct when its reward reaches 1.0, and the result
+also says how the episodes went (turns_mean, tool_calls_mean, env_errors).
 """
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ import time
 
 
 def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: float, top_p: float, max_tokens: int,
-             version: int | None = None, seed: int = 0, keep: int = 0) -> dict:
-    """keep: also return the first `keep` items' first samples as samples.jsonl records (step 0: the caller's)."""
+             version: int | None = None, seed: int = 0, keep: int = 0, env_pool=None, cfg=None) -> dict:
+    """keep: also return the first `keep` items' first samples as samples.jsonl records (step 0: the caller's).
+    env_pool (with cfg, whose environment section it runs): multi-turn episodes instead of single completions."""
+    if env_pool is not None:
+        return _evaluate_episodes(generator, items, env_pool, tokenizer, cfg, n=n, temperature=temperature,
+                                  top_p=top_p, version=version, keep=keep)
     kw = dict(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens, seed=seed)
     if version is not None:
         kw["expected_version"] = version
@@ -37,6 +43,33 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
     return out
 
 
+def _evaluate_episodes(generator, items, env_pool, tokenizer, cfg, *, n: int, temperature: float, top_p: float,
+                       version: int | None, keep: int) -> dict:
+    from megatron_rl.algorithms.episodes import engines_of, env_item, limits_of
+    from megatron_rl.algorithms.multiturn import run_trajectories
+
+    engines = engines_of(generator, cfg)
+    engines.sampling.update(temperature=temperature, top_p=top_p, top_k=-1 if temperature == 0 else
+                            engines.sampling["top_k"])
+    trajs, st = run_trajectories(engines, env_pool, tokenizer, items, n=n, limits=limits_of(cfg),
+                                 key_prefix=f"eval{time.monotonic_ns()}-", to_env_item=env_item, version=version)
+    correct = [t.reward >= 1.0 for t in trajs]
+    per_prompt = [any(correct[i * n:(i + 1) * n]) for i in range(len(items))]
+    texts = [tokenizer.decode(t.response_ids) for t in trajs]
+    out = {"val_accuracy": sum(correct) / max(len(correct), 1),
+           "val_pass_at_k": sum(per_prompt) / max(len(per_prompt), 1),
+           "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))],
+           "val_turns_mean": sum(t.turns for t in trajs) / max(len(trajs), 1),
+           "val_tool_calls_mean": sum(t.metrics.get("tool_calls", 0) for t in trajs) / max(len(trajs), 1),
+           "val_env_errors": st["env_errors"]}
+    if keep > 0:
+        from megatron_rl.algorithms.samples import sample_record
+
+        out["samples"] = [sample_record(0, "val", i, 0, items[i], texts[i * n], None, trajs[i * n].reward,
+                                        trajs[i * n].finish) for i in range(min(keep, len(items)))]
+    return out
+
+
 EPILOG = """\
 config keys it reads (from --config, else the schema's defaults; then the overrides):
   data.source, data.task, data.task_params   the prompts: a reasoning-gym task (--data sets data.task)...
@@ -49,6 +82,8 @@ config keys it reads (from --config, else the schema's defaults; then the overri
   generation.precision, generation.kv_cache_memory_mb, generation.gpu_memory_utilization
                                              the in-process vLLM engine
   policy.tokenizer                           the tokenizer (default: the --model folder's)
+  environment.*                              multi-turn episodes against an environment (environment.cls), scored
+                                             by its reward instead of the verifier
 The held-out prompts are the validation split (data.val_seed, or data.val_path). The result is JSON: val_accuracy
 (pass@1), val_pass_at_k, val_k, val_num_prompts, val_samples (a few completions) and seconds.
 
@@ -116,14 +151,22 @@ def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: fl
     ds = load_dataset(cfg.data, tok, "val", size=num_prompts)
     items = [it for it in (ds.item(i) for i in range(min(num_prompts, len(ds)))) if it is not None]
     reward_fn = RewardFn(cfg.reward, cfg.data.source)
+    env_pool = None
     t0 = time.time()
     gen = build_engine(cfg, model)
     try:
+        if cfg.environment.cls is not None:
+            from megatron_rl.environments.runner import EnvironmentPool
+
+            env_pool = EnvironmentPool.from_config(cfg.environment)
         result = evaluate(gen, items, reward_fn, tok, n=n,
                           temperature=temperature if temperature is not None else cfg.generation.temperature,
-                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens)
+                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens, env_pool=env_pool,
+                          cfg=cfg)
     finally:
         gen.shutdown()
         reward_fn.close()
+        if env_pool is not None:
+            env_pool.shutdown()
     result["seconds"] = round(time.time() - t0, 2)
     return result

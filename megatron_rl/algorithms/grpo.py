@@ -49,16 +49,19 @@ class EmptyStepsAbort(RuntimeError):
 def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> dict:
     """Greedy accuracy (and pass@k) on the held-out items; their first completions go to samples.jsonl."""
     g = cfg.generation
+    episodes = dict(env_pool=c.env_pool, cfg=cfg)  # multi-turn runs validate on whole episodes
     greedy = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=1, temperature=0.0, top_p=1.0,
-                      max_tokens=g.max_new_tokens, version=c.handover.version, keep=cfg.logging.samples_per_step)
+                      max_tokens=g.max_new_tokens, version=c.handover.version, keep=cfg.logging.samples_per_step,
+                      **episodes)
     tracker.log_samples(step, "val", [{**r, "step": step} for r in greedy.get("samples", [])])
     out = {"val_accuracy": greedy["val_accuracy"]}
     if cfg.grpo.val_pass_k > 0:
         sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
                            temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens,
                            version=c.handover.version,
-                           seed=cfg.grpo.seed)
+                           seed=cfg.grpo.seed, **episodes)
         out.update(val_pass_at_k=sampled["val_pass_at_k"], val_sample_accuracy=sampled["val_accuracy"])
+    out.update({k: greedy[k] for k in ("val_turns_mean", "val_tool_calls_mean", "val_env_errors") if k in greedy})
     # wall time from the start of this process's run (set-up included): "accuracy within N minutes"
     out["time_since_start_s"] = time.monotonic() - t_start
     return out

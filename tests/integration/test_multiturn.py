@@ -132,3 +132,42 @@ def test_grpo_trains_on_multiturn_trajectories(tmp_path, tiny_model_factory):
     assert rec["num_sequences"] == 6 and rec["num_sequences_trained"] > 0 and rec["grad_norm"] > 0
     # every response token is either sampled (trained) or observed (context)
     assert rec["response_len_mean"] * 6 == pytest.approx(rec["num_generated_tokens"] + rec["observation_tokens"])
+
+
+def test_evaluation_scores_whole_episodes(setup):
+    """pass@1 / pass@k over multi-turn episodes: correct when the episode's reward reaches 1.0 (Turns: 0.25 + 0.25
+    + 1.0 for a finished episode, 0 for the raising one), with the episodes' turn counts."""
+    from megatron_rl import load_config
+    from megatron_rl.algorithms.evaluate import evaluate
+
+    engine, pool, tok = setup
+    cfg = load_config({}, ["environment.cls=tests.integration.multiturn_envs:Turns", "environment.max_turns=4",
+                           "environment.max_tokens=400", "generation.max_new_tokens=12",
+                           "data.max_prompt_tokens=200"])
+    items = [_Item(it) for it in ITEMS]
+    out = evaluate(engine, items, None, tok, n=2, temperature=0.0, top_p=1.0, max_tokens=12, env_pool=pool, cfg=cfg,
+                   keep=1)
+    assert out["val_accuracy"] == pytest.approx(4 / 6) and out["val_pass_at_k"] == pytest.approx(2 / 3)
+    assert out["val_turns_mean"] == pytest.approx((4 * 3 + 2 * 2) / 6) and out["val_env_errors"] == 2
+    assert out["samples"][0]["reward"] == pytest.approx(1.5)
+
+
+class _Item:
+    """A dataset item as the loop reads it (env_item: the question, the answer, the row's other fields)."""
+
+    def __init__(self, row):
+        self.problem, self.prompt_text, self.answer, self.meta = row["question"], row["question"], "", dict(row)
+        self.prompt_ids, self.source = [1], "test"
+
+
+def test_the_python_api_evaluates_with_an_environment(tiny_model_factory):
+    import megatron_rl
+
+    model = tiny_model_factory("multiturn_tiny", seed=11, tied=True)
+    out = megatron_rl.evaluate(model, n=2, num_prompts=2, temperature=0.0, overrides=[
+        "environment.cls=tests.integration.multiturn_envs:Turns", "environment.kwargs={turns: 2}",
+        "environment.max_tokens=400", "environment.num_workers=1", "generation.max_new_tokens=8",
+        "data.max_prompt_tokens=200",
+        "generation.kv_cache_memory_mb=64", "generation.precision=fp32"])
+    # every episode: 2 turns, reward 0.25 + 1.0 (no item fails here)
+    assert out["val_accuracy"] == 1.0 and out["val_turns_mean"] == pytest.approx(2.0) and out["val_k"] == 2
