@@ -53,6 +53,9 @@ class GeneratorActor:
             set_cpu_threads(self.threads)
         return self.engine.turns(requests, sampling=sampling, max_s=max_s)
 
+    def clear_prefix_cache(self) -> None:
+        self.engine.clear_prefix_cache()
+
     def receive_weights(self, handle, expected_names=None) -> dict:
         return self.engine.receive_weights(handle, expected_names)
 

@@ -249,6 +249,11 @@ class VLLMGenerator(Generator):
     def num_pending(self) -> int:
         return len(getattr(self, "_pending", {}))
 
+    def clear_prefix_cache(self) -> None:
+        """Forget the cached KV blocks of earlier prompts (benches compare runs from the same cold start)."""
+        self._check_usable()
+        self._llm.reset_prefix_cache()
+
     def turns(self, requests: list[tuple[str, list[int], int]], *, sampling: dict, max_s: float = 0.5) -> dict:
         """`submit` then `poll` in one call (one round trip for an engine actor): {"finished": poll's list,
         "pending": requests still running, "version": the weights they ran on}."""
