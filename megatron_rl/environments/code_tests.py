@@ -40,13 +40,13 @@ from __future__ import annotations
 import ast
 import json
 import re
-import signal
 import textwrap
 import time
 from typing import Any, Optional
 
 from megatron_rl.environments.code_grader import Grade, TestOutcome, grade_asserts, grade_stdio
 from megatron_rl.environments.interface import Environment, StepResult
+from megatron_rl.environments.worker import time_left
 
 MAX_CODE_BYTES = 100_000  # a stdin program goes to `python -c`: the kernel refuses arguments over 128 KiB
 ALARM_MARGIN_S = 1.0  # kept free of the worker's soft timeout: the sandbox's clean-up and the step's own work
@@ -182,9 +182,9 @@ class CodeTests(Environment):
 
     def _grade(self, code: str) -> Grade:
         budget = self.time_budget_s
-        alarm_left = signal.getitimer(signal.ITIMER_REAL)[0]
-        if alarm_left > 0:  # under the worker's soft timeout (environment.timeout_s): finish before it fires
-            budget = min(budget, alarm_left - ALARM_MARGIN_S)
+        left = time_left()
+        if left is not None:  # under the worker's soft timeout (environment.timeout_s): finish before it fires
+            budget = min(budget, left - ALARM_MARGIN_S)
         deadline = time.monotonic() + budget
         grade = grade_asserts if self.form == "asserts" else grade_stdio
         return grade(code, self.tests, timeout_s=self.timeout_s, memory_mb=self.memory_mb, deadline=deadline)

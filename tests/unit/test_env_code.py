@@ -4,6 +4,7 @@ passed, both test forms, hostile programs contained, the feedback variant, and o
 Expected fractions are computed here independently, by running the (safe) candidate in this process on the same
 inputs. Timeouts are 1 s so the suite stays short.
 """
+import json
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from megatron_rl.environments.code_tests import CodeTests, extract_code, parse_t
 from megatron_rl.environments.interface import trajectory_reward, validate_step
 from megatron_rl.environments.runner import EnvironmentPool
 from megatron_rl.environments.sandbox import capabilities
+from megatron_rl.environments.tool_math import ToolMath
 
 ADD = {"question": "Write add(a, b) returning the sum.", "entry_point": "add",
        "tests": ["assert add(1, 2) == 3", "assert add(-4, 4) == 0", "assert add(10, 5) == 15"]}
@@ -238,3 +240,25 @@ def test_through_the_environment_pool():
         [fixed] = pool.step(["fixed"], [convs[1]])
         assert (fixed.reward, fixed.done) == (1.0, True)
         assert pool.errors == {"raised": 0, "timeout": 0, "garbage": 0, "worker_died": 0}
+
+
+def test_tool_math_python_tool():
+    """ToolMath(python=True): a `python` tool call runs in the sandbox and is answered with its stdout; off by
+    default."""
+    def call(env, code):
+        env.reset({"question": "What is 2 ** 10?", "answer": "1024"})
+        text = '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>' % json.dumps(code)
+        return validate_step(env.step([{"role": "assistant", "content": text}]))
+
+    env = ToolMath(python=True, python_timeout_s=1.0)
+    assert '"name": "python"' in env.reset({"question": "q", "answer": "1"})[0]["content"]
+    r = call(env, "print(2 ** 10)")
+    assert r.observation == [{"role": "tool", "content": "1024\n"}] and r.metrics["tool_errors"] == 0
+    r = call(env, "1 / 0")
+    assert r.observation[0]["content"].startswith("error: the code failed (exit status 1): Traceback") and "ZeroDivisionError" in \
+        r.observation[0]["content"] and r.metrics["tool_errors"] == 1
+    r = call(env, "while True:\n    pass")
+    assert r.observation[0]["content"] == "error: timeout: the code did not finish within 1 s"
+    r = call(ToolMath(), "print(1)")
+    assert "unknown tool 'python'" in r.observation[0]["content"]
+    assert '"python"' not in ToolMath().reset({"question": "q", "answer": "1"})[0]["content"]
