@@ -1,11 +1,11 @@
 """The `python(code)` tool: the model's code run in the sandbox (sandbox.run_python), answered with what it printed.
 
 Off by default (ToolMath(python=True) turns it on). The result is the program's stdout ("(no output)" when it printed
-nothing); a program that fails is answered "error: <what happened>: <the end of its stderr>", which tool_calls.answer_calls
-shows the model and counts as a tool error ("error: the code failed (exit status 1): Traceback ...", "error: memory",
-"error: timeout: ..."). Each call runs under `timeout_s`, cut to what the worker's soft timeout
-(environment.timeout_s) leaves minus 1 s, so that a message with several calls fails its late calls as timeouts
-rather than the whole trajectory as an environment error.
+nothing); a program that fails is answered "error: <what happened>: <the end of its stderr>", which
+tool_calls.answer_calls shows the model and counts as a tool error ("error: the code failed (exit status 1):
+Traceback ...", "error: memory", "error: timeout: ..."). Each call runs under `timeout_s`, cut to what the worker's
+soft timeout (environment.timeout_s) leaves minus 1 s, so that a message with several calls fails its late calls as
+timeouts rather than the whole trajectory as an environment error.
 """
 from __future__ import annotations
 

@@ -255,8 +255,9 @@ def test_tool_math_python_tool():
     r = call(env, "print(2 ** 10)")
     assert r.observation == [{"role": "tool", "content": "1024\n"}] and r.metrics["tool_errors"] == 0
     r = call(env, "1 / 0")
-    assert r.observation[0]["content"].startswith("error: the code failed (exit status 1): Traceback") and "ZeroDivisionError" in \
-        r.observation[0]["content"] and r.metrics["tool_errors"] == 1
+    text = r.observation[0]["content"]
+    assert text.startswith("error: the code failed (exit status 1): Traceback") and "ZeroDivisionError" in text
+    assert r.metrics["tool_errors"] == 1
     r = call(env, "while True:\n    pass")
     assert r.observation[0]["content"] == "error: timeout: the code did not finish within 1 s"
     r = call(ToolMath(), "print(1)")
