@@ -1,5 +1,6 @@
 """CodeTests (megatron_rl/environments/code_tests.py) with real sandbox runs, no mocks: rewards as fractions of tests
-passed, both test forms, hostile programs contained, the feedback variant, and one trajectory through EnvironmentPool.
+passed, both test forms, hostile programs contained, the feedback variant, one trajectory through EnvironmentPool, and
+ToolMath's optional python tool.
 
 Expected fractions are computed here independently, by running the (safe) candidate in this process on the same
 inputs. Timeouts are 1 s so the suite stays short.
