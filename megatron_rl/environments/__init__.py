@@ -7,8 +7,9 @@ Modules:
 - worker.py: the worker processes' request loop.
 - chat.py: token-exact incremental rendering of observations for the next turn's prompt.
 - tool_calls.py: parsing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` and answering the calls.
-- calculator.py: the arithmetic tool, evaluated safely with `ast`.
-- guess_number.py, tool_math.py: built-in environments.
+- calculator.py: the arithmetic tool, evaluated safely with `ast`; python_tool.py: the `python` tool (the sandbox).
+- guess_number.py, tool_math.py, code_tests.py: built-in environments (code_tests: hidden unit tests run in the
+  sandbox by code_grader.py, asserts through code_harness.py, a program that runs inside the sandbox only).
 - sandbox.py (and sandbox_os.py, its OS mechanics): `run_python`, model-written code in a contained process.
 
 Docs: docs/environments.md.

@@ -4,7 +4,8 @@ reset: a system message describing the calculator and the answer format, and the
 message. step: an assistant message with tool calls gets one tool message per call (tool_calls.py; a malformed call
 gets an error message, and still counts); one without is the final answer, scored against item["answer"], and ends
 the trajectory with reward = its score (0 or 1). More than max_tool_calls calls in a trajectory end it with reward 0
-(metrics tool_budget_exceeded=1): a policy that never answers must not loop until the turn limit.
+(metrics tool_budget_exceeded=1): a policy that never answers must not loop until the turn limit. With python=True
+(default off) a `python` tool runs code in the sandbox and answers with its stdout (python_tool.py).
 
 Scoring is `rewards.worker.score_sample`, the function the single-turn reward pool runs: the same answer formats
 (answer_tag by default, as in configs/demo_cpu.yaml) and the same verifiers. verifier "auto" picks reasoning-gym's
@@ -18,6 +19,7 @@ from typing import Any
 
 from megatron_rl.environments.calculator import calculator
 from megatron_rl.environments.interface import Environment, StepResult
+from megatron_rl.environments.python_tool import make_python_tool
 from megatron_rl.environments.tool_calls import answer_calls, parse_tool_calls
 from megatron_rl.rewards.worker import score_sample
 
@@ -28,26 +30,38 @@ _FORMAT_TEXT = {
 }
 
 
-def default_system_prompt(answer_format: str) -> str:
+def default_system_prompt(answer_format: str, python: bool = False) -> str:
+    python_text = ('You can also run Python code: <tool_call>{"name": "python", "arguments": {"code": '
+                   '"print(2 ** 10)"}}</tool_call> answers with what it prints (standard library only). '
+                   if python else "")
     return ("Solve the arithmetic problem. You can use a calculator: write "
             '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}</tool_call> and its '
             "result comes back in a tool message. It evaluates numbers with + - * / // % ** and parentheses. "
-            f"When you know the result, {_FORMAT_TEXT[answer_format]}.")
+            f"{python_text}When you know the result, {_FORMAT_TEXT[answer_format]}.")
 
 
 class ToolMath(Environment):
     TOOLS = {"calculator": calculator}  # its CalculatorError (a ValueError) is answered as "error: ..."
 
     def __init__(self, max_tool_calls: int = 4, answer_format: str = "answer_tag", verifier: str = "auto",
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, python: bool = False, python_timeout_s: float = 5.0):
+        """python: also offer the `python` tool (python_tool.py: code run in the sandbox, its stdout returned),
+        each call under python_timeout_s."""
         if not (isinstance(max_tool_calls, int) and max_tool_calls >= 0):
             raise ValueError(f"max_tool_calls must be an integer >= 0, got {max_tool_calls!r}")
         if answer_format not in _FORMAT_TEXT:
             raise ValueError(f"answer_format must be one of {sorted(_FORMAT_TEXT)}, got {answer_format!r}")
         if verifier not in ("auto", "math", "reasoning_gym"):
             raise ValueError(f"verifier must be auto, math or reasoning_gym, got {verifier!r}")
+        if not isinstance(python, bool):
+            raise ValueError(f"python must be true or false, got {python!r}")
+        if not (isinstance(python_timeout_s, (int, float)) and python_timeout_s > 0):
+            raise ValueError(f"python_timeout_s must be a number > 0, got {python_timeout_s!r}")
         self.max_tool_calls, self.answer_format, self.verifier = max_tool_calls, answer_format, verifier
-        self.system_prompt = system_prompt
+        self.system_prompt, self.python = system_prompt, python
+        self.tools = dict(self.TOOLS)
+        if python:
+            self.tools["python"] = make_python_tool(float(python_timeout_s))
         self.item: dict = {}
         self.tool_calls = self.tool_errors = 0
 
@@ -63,7 +77,8 @@ class ToolMath(Environment):
                 raise ValueError(f"tool_math needs items with 'question' and 'answer'; this one has "
                                  f"{sorted(item)}")
         self.item, self.tool_calls, self.tool_errors = item, 0, 0
-        return [{"role": "system", "content": self.system_prompt or default_system_prompt(self.answer_format)},
+        return [{"role": "system", "content": self.system_prompt or default_system_prompt(self.answer_format,
+                                                                                           self.python)},
                 {"role": "user", "content": str(item["question"])}]
 
     def step(self, messages: list[dict]) -> StepResult:
@@ -73,7 +88,7 @@ class ToolMath(Environment):
             self.tool_calls += len(calls)
             if self.tool_calls > self.max_tool_calls:
                 return StepResult(None, 0.0, True, {**self._metrics(), "tool_budget_exceeded": 1})
-            observation, errors = answer_calls(calls, self.TOOLS)
+            observation, errors = answer_calls(calls, self.tools)
             self.tool_errors += errors
             return StepResult(observation, 0.0, False, self._metrics())
         scored = score_sample(self._payload(text))

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from megatron_rl.environments.interface import (
     EnvironmentContractError, EnvironmentLoadError, load_environment, resolve_environment_class, validate_messages,
@@ -113,6 +113,14 @@ def _call(envs: dict, cls: type, kwargs: dict, op: str, tid: Any, payload: Any, 
     if op == "step" and value.done:  # nothing calls a finished trajectory again
         envs.pop(tid, None)
     return "ok", value
+
+
+def time_left() -> Optional[float]:
+    """Seconds left of the running call's environment.timeout_s, when called from an environment's reset/step in a
+    worker (its soft timeout is the process's ITIMER_REAL); None elsewhere. Lets an environment that runs slow work
+    (a sandbox) fit it into the call instead of being cut off as a timeout."""
+    left = signal.getitimer(signal.ITIMER_REAL)[0]
+    return left if left > 0 else None
 
 
 @contextlib.contextmanager
