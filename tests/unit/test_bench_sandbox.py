@@ -1,5 +1,6 @@
-"""bench/sandbox_bench.py --smoke: the bench's code paths, a handful of sandboxed and plain runs, in a fresh process
-(so that it keeps working between the runs that record its numbers in docs/benchmarks.md)."""
+"""bench/sandbox_bench.py and bench/code_tests_bench.py --smoke: the benches' code paths, a handful of sandboxed and
+plain runs, in a fresh process (so that they keep working between the runs that record their numbers in
+docs/benchmarks.md)."""
 from __future__ import annotations
 
 import subprocess
@@ -16,3 +17,11 @@ def test_sandbox_bench_smoke():
     lines = proc.stdout.splitlines()
     assert lines[-1] == "smoke ok"
     assert [line.split()[0] for line in lines[3:-1]] == ["sequential", "1", "2"], proc.stdout
+
+
+def test_code_tests_bench_smoke():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "code_tests_bench.py"), "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "smoke ok" and [line.split()[0] for line in lines[1:-1]] == ["1", "3"], proc.stdout
