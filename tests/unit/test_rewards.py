@@ -127,7 +127,10 @@ def math_reward():
     rf.close()
 
 
-def test_math_verify_equivalence(math_reward):
+def test_math_verify_equivalence(math_reward, monkeypatch):
+    # a tripwire, whatever other tests imported before: `import math_verify` fails in this process from here on, so
+    # a verification that ran here instead of in the workers would show as errors and wrong rewards
+    monkeypatch.setitem(sys.modules, "math_verify", None)
     cases = [("\\frac{1}{2}", "<answer>0.5</answer>", 1.1),
              ("0.5", "therefore \\boxed{\\frac{1}{2}}", 1.1),  # auto format: a box is well-formed too
              ("1000", "The answer is 1,000.", 1.0),
@@ -138,7 +141,6 @@ def test_math_verify_equivalence(math_reward):
     assert rewards == pytest.approx([r for _, _, r in cases])
     assert stats["num_correct"] == 4 and stats["num_format_ok"] == 4 and stats["num_no_answer"] == 1
     assert stats["num_timeouts"] == stats["num_errors"] == 0
-    assert "math_verify" not in sys.modules  # verification never ran in this process
 
 
 def test_pathological_math_times_out_and_is_counted(math_reward):
@@ -202,7 +204,8 @@ def patient_math_reward():
     rf.close()
 
 
-def test_adversarial_completions_score_only_when_right(patient_math_reward):
+def test_adversarial_completions_score_only_when_right(patient_math_reward, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # the tripwire of test_math_verify_equivalence
     t0 = time.monotonic()
     rewards, stats = patient_math_reward.score([item(g) for g, _, _ in ADVERSARIAL], [c for _, c, _ in ADVERSARIAL])
     got = {(g, c): r for (g, c, _), r in zip(ADVERSARIAL, rewards)}
@@ -210,7 +213,6 @@ def test_adversarial_completions_score_only_when_right(patient_math_reward):
     assert stats["num_timeouts"] == stats["num_errors"] == 0  # the huge ones were refused, not timed out
     assert time.monotonic() - t0 < 30
     assert stats["answers"][0] == "x = \\frac{1}{3}"  # what math-verify read, for the logged samples
-    assert "math_verify" not in sys.modules
 
 
 def test_size_guard_sizes_without_computing():
