@@ -243,11 +243,8 @@ class EnvironmentPool:
             if status == "ok":
                 self._workers[self._owner[tid]].tids.add(tid)
                 out.append(value)
-                continue
-            self._forget(tid)
-            kind = status if status in ERROR_KINDS else "worker_died"
-            self.errors[kind] += 1
-            out.append(Failure(kind, value))
+            else:
+                out.append(Failure(self._failed(tid, status), value))
         return out
 
     def step(self, ids: Sequence[Hashable], conversations: Sequence[list[dict]]) -> list[StepResult]:
@@ -269,12 +266,16 @@ class EnvironmentPool:
                 if value.done:
                     self._forget(tid)
                 out.append(value)
-                continue
-            self._forget(tid)
-            kind = status if status in ERROR_KINDS else "worker_died"
-            self.errors[kind] += 1
-            out.append(error_result(kind, value))
+            else:
+                out.append(error_result(self._failed(tid, status), value))
         return out
+
+    def _failed(self, tid: Hashable, status: str) -> str:
+        """Forget a trajectory whose call failed; count and return the failure's kind."""
+        self._forget(tid)
+        kind = status if status in ERROR_KINDS else "worker_died"
+        self.errors[kind] += 1
+        return kind
 
     def close(self, trajectory_id: Hashable) -> None:
         """Drop a trajectory's instance (a no-op for one that is done, failed or unknown)."""
