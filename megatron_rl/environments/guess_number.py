@@ -59,14 +59,15 @@ class GuessNumber(Environment):
 
     def step(self, messages: list[dict]) -> StepResult:
         guess = parse_guess(messages[-1]["content"]) if messages and messages[-1]["role"] == "assistant" else None
+        # metrics are this step's: the rollout loop sums them, so "guesses" adds up to the trajectory's count
         if guess is None:
-            return StepResult(None, 0.0, True, {"format_error": 1, "guesses": self.guesses})
+            return StepResult(None, 0.0, True, {"format_error": 1, "guesses": 0})
         self.guesses += 1
         if guess == self.secret:
-            return StepResult(None, 1.0, True, {"solved": 1, "guesses": self.guesses})
+            return StepResult(None, 1.0, True, {"solved": 1, "guesses": 1})
         if self.guesses >= self.max_turns:
-            return StepResult(None, 0.0, True, {"solved": 0, "guesses": self.guesses})
+            return StepResult(None, 0.0, True, {"solved": 0, "guesses": 1})
         hint = "higher" if guess < self.secret else "lower"
         left = self.max_turns - self.guesses
         return StepResult([{"role": "user", "content": f"{hint} ({left} guess{'es' if left > 1 else ''} left)"}],
-                          0.0, False, {"guesses": self.guesses})
+                          0.0, False, {"guesses": 1})

@@ -45,7 +45,9 @@ MAX_METRIC_CHARS = 1000  # a string metric (a reason) longer than this is cut, n
 class StepResult:
     """What `step` returns. observation: the messages to append before the policy's next turn (a tool result, user
     feedback), None when done. reward: this step's share of the trajectory's reward (summed over the steps).
-    metrics: numbers (or short strings) logged per trajectory, e.g. {"tool_calls": 2}."""
+    metrics: numbers (or short strings) of THIS step, e.g. {"tool_calls": 2} for a turn that made two calls; like the
+    rewards, a trajectory's numbers are the sums over its steps (algorithms/multiturn.py), so report counts per step,
+    never running totals."""
     observation: Optional[list[dict]]
     reward: float
     done: bool

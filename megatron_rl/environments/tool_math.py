@@ -84,20 +84,19 @@ class ToolMath(Environment):
     def step(self, messages: list[dict]) -> StepResult:
         text = messages[-1]["content"] if messages and messages[-1]["role"] == "assistant" else ""
         calls = parse_tool_calls(text)
+        # metrics are this step's counts: the rollout loop sums them over the trajectory (interface.StepResult)
         if calls:
             self.tool_calls += len(calls)
             if self.tool_calls > self.max_tool_calls:
-                return StepResult(None, 0.0, True, {**self._metrics(), "tool_budget_exceeded": 1})
+                return StepResult(None, 0.0, True, {"tool_calls": len(calls), "tool_errors": 0,
+                                                    "tool_budget_exceeded": 1})
             observation, errors = answer_calls(calls, self.tools)
             self.tool_errors += errors
-            return StepResult(observation, 0.0, False, self._metrics())
+            return StepResult(observation, 0.0, False, {"tool_calls": len(calls), "tool_errors": errors})
         scored = score_sample(self._payload(text))
         return StepResult(None, float(scored["score"]), True,
-                          {**self._metrics(), "correct": int(scored["score"] >= 1.0),
+                          {"tool_calls": 0, "tool_errors": 0, "correct": int(scored["score"] >= 1.0),
                            "answered": int(scored.get("answer") is not None)})
-
-    def _metrics(self) -> dict[str, Any]:
-        return {"tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
 
     def _payload(self, completion: str) -> dict[str, Any]:
         item = self.item

@@ -157,7 +157,7 @@ def test_guess_number_runs_out_and_format_error():
     r = env.step(say(messages, "<guess>3</guess>"))
     assert r.observation == [{"role": "user", "content": "higher (1 guess left)"}] and not r.done
     r = env.step(say(messages, "<guess> 9 </guess>"))
-    assert (r.observation, r.reward, r.done, r.metrics) == (None, 0.0, True, {"solved": 0, "guesses": 2})
+    assert (r.observation, r.reward, r.done, r.metrics) == (None, 0.0, True, {"solved": 0, "guesses": 1})
     env.reset({"secret": 7})
     r = env.step(say(messages, "seven!"))
     assert (r.reward, r.done, r.metrics["format_error"]) == (0.0, True, 1)
@@ -189,10 +189,10 @@ def test_tool_math_calls_then_answers():
     assert r.observation == [{"role": "tool", "content": str(82 - 19)},
                              {"role": "tool", "content": r.observation[1]["content"]}]
     assert r.observation[1]["content"].startswith("error: not an arithmetic expression")
-    assert r.metrics == {"tool_calls": 3, "tool_errors": 1}
+    assert r.metrics == {"tool_calls": 2, "tool_errors": 1}  # this step's: the loop sums them
     r = env.step(say(messages + r.observation, f"So it is {37 + 45 - 19}. <answer>{37 + 45 - 19}</answer>"))
     assert (r.observation, r.reward, r.done) == (None, 1.0, True)
-    assert r.metrics == {"tool_calls": 3, "tool_errors": 1, "correct": 1, "answered": 1}
+    assert r.metrics == {"tool_calls": 0, "tool_errors": 0, "correct": 1, "answered": 1}
 
 
 def test_tool_math_wrong_unformatted_and_over_budget():
@@ -232,5 +232,6 @@ def test_tool_math_in_workers_with_a_reasoning_gym_row():
         assert tool.observation == [{"role": "tool", "content": str(value)}] and str(value) == entry["answer"]
         assert (wrong.reward, wrong.done) == (0.0, True)
         (final,) = pool.step(["right"], [say(convs[0] + tool.observation, f"<answer>{entry['answer']}</answer>")])
-        assert (final.reward, final.done, final.metrics["tool_calls"]) == (1.0, True, 1)
+        assert (final.reward, final.done, final.metrics["tool_calls"]) == (1.0, True, 0)
+        assert tool.metrics["tool_calls"] == 1
         assert pool.errors == {"raised": 0, "timeout": 0, "garbage": 0, "worker_died": 0}
