@@ -87,6 +87,11 @@ class LocalEngines:
     def wait_any(self) -> tuple[int, dict]:
         return self._ready.pop(0)
 
+    def abort(self) -> None:
+        self._ready.clear()
+        for e in self.engines:
+            e.abort_turns()
+
 
 class RayEngines:
     """Engine actors (`generation.actor.RemoteGenerator`): each `turns` call runs in its own process while the
@@ -112,6 +117,19 @@ class RayEngines:
         ready, _ = ray.wait(list(self._refs), num_returns=1)
         i = self._refs.pop(ready[0])
         return i, self.engines[i].result(ready[0])
+
+    def abort(self) -> None:
+        """After a failure: let the calls in flight end, then drop every engine's unfinished turns (best effort: a
+        dead engine has nothing left to drop, and the failure being raised says what happened)."""
+        import ray
+
+        refs = list(self._refs) + [e.submit("abort_turns") for e in self.engines]
+        self._refs.clear()
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
 
 
 def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Limits, key_prefix: str = "t",
@@ -188,40 +206,47 @@ def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Li
             t.gen_logprobs += [0.0] * len(obs)
             queue[t.group % len(engines)].append(_request(t, limits))
 
-    if barrier:
-        while any(queue):
-            for i in range(len(engines)):
-                if queue[i]:
+    def drive() -> None:
+        if barrier:
+            while any(queue):
+                for i in range(len(engines)):
+                    if queue[i]:
+                        engines.start(i, queue[i])
+                        queue[i] = []
+                stepping = []
+                while engines.busy():
+                    i, res = engines.wait_any()
+                    stepping += on_turns(res)
+                    if res["pending"]:  # the barrier: keep this engine on the current turn until it drains
+                        engines.start(i, [])
+                if stepping:
+                    step_envs(stepping)
+        else:
+            running = [False] * len(engines)
+
+            def kick(i: int, pending: int = 0) -> None:
+                if queue[i] or pending:
                     engines.start(i, queue[i])
-                    queue[i] = []
-            stepping = []
-            while engines.busy():
+                    queue[i], running[i] = [], True
+
+            for i in range(len(engines)):
+                kick(i)
+            while any(running):
                 i, res = engines.wait_any()
-                stepping += on_turns(res)
-                if res["pending"]:  # the barrier: keep this engine on the current turn until it drains
-                    engines.start(i, [])
-            if stepping:
-                step_envs(stepping)
-    else:
-        running = [False] * len(engines)
+                running[i] = False
+                kick(i, res["pending"])  # before the environments run: the engine keeps decoding meanwhile
+                stepping = on_turns(res)
+                if stepping:
+                    step_envs(stepping)
+                for k in range(len(engines)):
+                    if not running[k]:
+                        kick(k)
 
-        def kick(i: int, pending: int = 0) -> None:
-            if queue[i] or pending:
-                engines.start(i, queue[i])
-                queue[i], running[i] = [], True
-
-        for i in range(len(engines)):
-            kick(i)
-        while any(running):
-            i, res = engines.wait_any()
-            running[i] = False
-            kick(i, res["pending"])  # before the environments run: the engine keeps decoding meanwhile
-            stepping = on_turns(res)
-            if stepping:
-                step_envs(stepping)
-            for k in range(len(engines)):
-                if not running[k]:
-                    kick(k)
+    try:
+        drive()
+    except BaseException:
+        engines.abort()  # no turn of this rollout may keep decoding into the next one
+        raise
     left = [t.key for t in trajs if not t.done]
     if left:
         raise RuntimeError(f"{len(left)} trajectories never finished (first: {left[0]}): engines idle with work left")

@@ -56,6 +56,9 @@ class GeneratorActor:
     def clear_prefix_cache(self) -> None:
         self.engine.clear_prefix_cache()
 
+    def abort_turns(self) -> int:
+        return self.engine.abort_turns()
+
     def receive_weights(self, handle, expected_names=None) -> dict:
         return self.engine.receive_weights(handle, expected_names)
 

@@ -223,14 +223,17 @@ class VLLMGenerator(Generator):
             self._pending[rid] = key
 
     def poll(self, max_s: float = 0.5) -> list[tuple[str, list[int], list[float], str]]:
-        """Run the engine until at least one submitted request finishes (or `max_s` passes, or none is left);
+        """Run the engine until at least one submitted request finishes (or `max_s` passes, or none is left; at
+        least one engine step whenever something is pending, so a caller polling with max_s=0 still progresses);
         returns the finished ones as (key, token ids, logprobs, finish reason)."""
         self._check_usable()
         pending = getattr(self, "_pending", {})
         engine = self._llm.llm_engine
         done, t0 = [], time.perf_counter()
         with self._generation_threads():
-            while pending and not done and time.perf_counter() - t0 < max_s:
+            first = True
+            while pending and not done and (first or time.perf_counter() - t0 < max_s):
+                first = False
                 for out in engine.step():
                     if not out.finished:
                         continue
@@ -248,6 +251,16 @@ class VLLMGenerator(Generator):
 
     def num_pending(self) -> int:
         return len(getattr(self, "_pending", {}))
+
+    def abort_turns(self) -> int:
+        """Drop every submitted request that has not finished (a rollout that failed half-way must not leave its
+        turns decoding into the next one); returns how many were dropped."""
+        pending = getattr(self, "_pending", {})
+        if pending and self._llm is not None:
+            self._llm.llm_engine.abort_request(list(pending))
+        n = len(pending)
+        pending.clear()
+        return n
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached KV blocks of earlier prompts (benches compare runs from the same cold start)."""

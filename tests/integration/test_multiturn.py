@@ -161,13 +161,58 @@ class _Item:
 
 
 def test_the_python_api_evaluates_with_an_environment(tiny_model_factory):
-    import megatron_rl
+    """In a fresh process: its in-process engine must not share this one with the module's engine (vLLM's parallel
+    state is per process, and an engine's shutdown tears it down)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    repo = Path(__file__).resolve().parents[2]
     model = tiny_model_factory("multiturn_tiny", seed=11, tied=True)
-    out = megatron_rl.evaluate(model, n=2, num_prompts=2, temperature=0.0, overrides=[
-        "environment.cls=tests.integration.multiturn_envs:Turns", "environment.kwargs={turns: 2}",
-        "environment.max_tokens=400", "environment.num_workers=1", "generation.max_new_tokens=8",
-        "data.max_prompt_tokens=200",
-        "generation.kv_cache_memory_mb=64", "generation.precision=fp32"])
+    overrides = ["environment.cls=tests.integration.multiturn_envs:Turns", "environment.kwargs={turns: 2}",
+                 "environment.max_tokens=400", "environment.num_workers=1", "generation.max_new_tokens=8",
+                 "data.max_prompt_tokens=200", "generation.kv_cache_memory_mb=64", "generation.precision=fp32"]
+    code = ("import json, megatron_rl; out = megatron_rl.evaluate({m!r}, n=2, num_prompts=2, temperature=0.0, "
+            "overrides={o!r}); print('RESULT', json.dumps(out))").format(m=str(model), o=overrides)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=repo,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    out = json.loads(r.stdout.split("RESULT ", 1)[1])
     # every episode: 2 turns, reward 0.25 + 1.0 (no item fails here)
     assert out["val_accuracy"] == 1.0 and out["val_turns_mean"] == pytest.approx(2.0) and out["val_k"] == 2
+
+
+def test_a_failing_rollout_leaves_no_turn_in_the_engine(setup):
+    """A driver-side failure half-way (here the tokenizer's decode, on the first finished turn) is raised, and the
+    turns still running are dropped from the engine, so the next rollout starts clean."""
+    engine, pool, tok = setup
+
+    class Breaking:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode(self, ids):
+            raise RuntimeError("decode broke")
+
+    from megatron_rl.environments.chat import prompt_ids
+
+    # turn budgets that differ per prompt (what is left of max_tokens), so the turns finish at different steps and
+    # the others are still running when the first one breaks the rollout
+    lens = sorted({len(prompt_ids(tok, [{"role": "system", "content": "Answer in a few words."},
+                                        {"role": "user", "content": it["question"]}])) for it in ITEMS})
+    assert len(lens) == 3
+    limits = Limits(max_turns=4, max_tokens=lens[-1] + 8, max_new_tokens=40)
+    with pytest.raises(RuntimeError, match="decode broke"):
+        run_trajectories(LocalEngines([engine], GREEDY, 0.0), pool, Breaking(tok), ITEMS, n=2, limits=limits,
+                         key_prefix="broken-")
+    assert engine.num_pending() == 0
+    assert engine.abort_turns() == 0
+    for t in range(6):  # the environments of the failed rollout are dropped by the caller, as the loop's user would
+        pool.close(f"broken-{t // 2}-{t % 2}")
+    trajs, _ = _run(setup, barrier=False)  # and the engine serves the next rollout
+    assert sum(t.finish == "stop" for t in trajs) == 4
