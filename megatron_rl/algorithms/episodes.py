@@ -40,8 +40,7 @@ def engines_of(generator, cfg: Config, poll_s: float = 0.2):
 
 def limits_of(cfg: Config) -> Limits:
     e = cfg.environment
-    return Limits(max_turns=e.max_turns, max_tokens=e.max_tokens, max_new_tokens=cfg.generation.max_new_tokens,
-                  stop=e.stop or None)
+    return Limits(max_turns=e.max_turns, max_tokens=e.max_tokens, max_new_tokens=cfg.generation.max_new_tokens)
 
 
 def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version: int):

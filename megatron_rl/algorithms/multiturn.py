@@ -63,8 +63,7 @@ class Trajectory:
 class Limits:
     max_turns: int
     max_tokens: int  # the whole trajectory: prompt, sampled and observed tokens
-    max_new_tokens: int  # per turn
-    stop: Optional[list[str]] = None
+    max_new_tokens: int  # per turn (the stop strings travel with the sampling parameters)
 
 
 class LocalEngines:

@@ -101,6 +101,7 @@ class VLLMGenerator(Generator):
         self._asleep: set[str] = set()
         self._llm = None
         self._sender = None  # for update_weights (in-process refits): the transport's arena lives with the engine
+        self._pending: dict[str, str] = {}  # multi-turn requests in flight: request id -> the caller's key
         cpu = not self.platform.is_gpu
         if cpu and config.tp != 1:
             raise ValueError(f"generation.tp={config.tp}: the CPU engine runs in-process with tp=1")
@@ -206,9 +207,11 @@ class VLLMGenerator(Generator):
         prompt is the previous one plus what was generated and observed)."""
         from vllm import SamplingParams
 
+        # GPU: the same LLMEngine calls, with vLLM's engine core in its own process (multiprocessing on) instead of
+        # in-process as on CPU; no CPU test runs that client. add_request/step/abort_request are its public API on
+        # both, and the CPU tests (tests/integration/test_multiturn.py, in-process and through the Ray actor) check
+        # what this code does with them: the order of turns, the keys, the abort on failure.
         self._check_usable()
-        if not hasattr(self, "_pending"):
-            self._pending: dict[str, str] = {}  # request id (vLLM reports the one it was given) -> the caller's key
         engine = self._llm.llm_engine
         for key, prompt, max_tokens in requests:
             params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0
@@ -227,7 +230,7 @@ class VLLMGenerator(Generator):
         least one engine step whenever something is pending, so a caller polling with max_s=0 still progresses);
         returns the finished ones as (key, token ids, logprobs, finish reason)."""
         self._check_usable()
-        pending = getattr(self, "_pending", {})
+        pending = self._pending
         engine = self._llm.llm_engine
         done, t0 = [], time.perf_counter()
         with self._generation_threads():
@@ -250,12 +253,12 @@ class VLLMGenerator(Generator):
         return done
 
     def num_pending(self) -> int:
-        return len(getattr(self, "_pending", {}))
+        return len(self._pending)
 
     def abort_turns(self) -> int:
         """Drop every submitted request that has not finished (a rollout that failed half-way must not leave its
         turns decoding into the next one); returns how many were dropped."""
-        pending = getattr(self, "_pending", {})
+        pending = self._pending
         if pending and self._llm is not None:
             self._llm.llm_engine.abort_request(list(pending))
         n = len(pending)
