@@ -30,36 +30,65 @@ _FORMAT_TEXT = {
 }
 
 
-def default_system_prompt(answer_format: str, python: bool = False) -> str:
+def default_system_prompt(answer_format: str, python: bool = False, calculator: bool = True) -> str:
     python_text = ('You can also run Python code: <tool_call>{"name": "python", "arguments": {"code": '
                    '"print(2 ** 10)"}}</tool_call> answers with what it prints (standard library only). '
                    if python else "")
-    return ("Solve the arithmetic problem. You can use a calculator: write "
-            '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}</tool_call> and its '
-            "result comes back in a tool message. It evaluates numbers with + - * / // % ** and parentheses. "
-            f"{python_text}When you know the result, {_FORMAT_TEXT[answer_format]}.")
+    calc_text = ("You can use a calculator: write "
+                 '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4)"}}</tool_call> and its '
+                 "result comes back in a tool message. It evaluates numbers with + - * / // % ** and parentheses. "
+                 if calculator else "")
+    return (f"Solve the arithmetic problem. {calc_text}{python_text}When you know the result, "
+            f"{_FORMAT_TEXT[answer_format]}.")
+
+
+def _few_shot_messages(few_shot) -> list[dict]:
+    """few_shot: example conversations, each a list of {role, content} messages (user, then assistant turns with
+    tool calls, tool results, the final answer), flattened in order between the system message and the question.
+    A small model learns the tool-call form from them before RL can reinforce it (configs/tool_math_cpu.yaml)."""
+    if not isinstance(few_shot, list):
+        raise ValueError(f"few_shot must be a list of example conversations, got {type(few_shot).__name__}")
+    out = []
+    for i, conv in enumerate(few_shot):
+        if not (isinstance(conv, list) and conv):
+            raise ValueError(f"few_shot[{i}] must be a non-empty list of {{role, content}} messages, got {conv!r}")
+        for j, m in enumerate(conv):
+            if not (isinstance(m, dict) and set(m) == {"role", "content"} and isinstance(m["content"], str)
+                    and m["role"] in ("user", "assistant", "tool")):
+                raise ValueError(f"few_shot[{i}][{j}] must be {{role: user|assistant|tool, content: str}}, "
+                                 f"got {m!r}")
+            out.append({"role": m["role"], "content": m["content"]})
+        if conv[0]["role"] != "user" or conv[-1]["role"] != "assistant":
+            raise ValueError(f"few_shot[{i}] must start with a user message and end with an assistant message")
+    return out
 
 
 class ToolMath(Environment):
     TOOLS = {"calculator": calculator}  # its CalculatorError (a ValueError) is answered as "error: ..."
 
     def __init__(self, max_tool_calls: int = 4, answer_format: str = "answer_tag", verifier: str = "auto",
-                 system_prompt: str | None = None, python: bool = False, python_timeout_s: float = 5.0):
+                 system_prompt: str | None = None, python: bool = False, python_timeout_s: float = 5.0,
+                 calculator: bool = True, few_shot: list | None = None):
         """python: also offer the `python` tool (python_tool.py: code run in the sandbox, its stdout returned),
-        each call under python_timeout_s."""
+        each call under python_timeout_s. calculator: false offers no calculator (with python false, no tool at all:
+        the no-tool arm of a comparison, still one environment). few_shot: example conversations put before the
+        question (_few_shot_messages)."""
         if not (isinstance(max_tool_calls, int) and max_tool_calls >= 0):
             raise ValueError(f"max_tool_calls must be an integer >= 0, got {max_tool_calls!r}")
         if answer_format not in _FORMAT_TEXT:
             raise ValueError(f"answer_format must be one of {sorted(_FORMAT_TEXT)}, got {answer_format!r}")
         if verifier not in ("auto", "math", "reasoning_gym"):
             raise ValueError(f"verifier must be auto, math or reasoning_gym, got {verifier!r}")
-        if not isinstance(python, bool):
-            raise ValueError(f"python must be true or false, got {python!r}")
+        for name, flag in (("python", python), ("calculator", calculator)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
         if not (isinstance(python_timeout_s, (int, float)) and python_timeout_s > 0):
             raise ValueError(f"python_timeout_s must be a number > 0, got {python_timeout_s!r}")
         self.max_tool_calls, self.answer_format, self.verifier = max_tool_calls, answer_format, verifier
         self.system_prompt, self.python = system_prompt, python
-        self.tools = dict(self.TOOLS)
+        self.calculator = calculator
+        self.few_shot = _few_shot_messages(few_shot or [])
+        self.tools = dict(self.TOOLS) if calculator else {}
         if python:
             self.tools["python"] = make_python_tool(float(python_timeout_s))
         self.item: dict = {}
@@ -77,8 +106,8 @@ class ToolMath(Environment):
                 raise ValueError(f"tool_math needs items with 'question' and 'answer'; this one has "
                                  f"{sorted(item)}")
         self.item, self.tool_calls, self.tool_errors = item, 0, 0
-        return [{"role": "system", "content": self.system_prompt or default_system_prompt(self.answer_format,
-                                                                                           self.python)},
+        system = self.system_prompt or default_system_prompt(self.answer_format, self.python, self.calculator)
+        return [{"role": "system", "content": system}, *self.few_shot,
                 {"role": "user", "content": str(item["question"])}]
 
     def step(self, messages: list[dict]) -> StepResult:

@@ -235,3 +235,33 @@ def test_tool_math_in_workers_with_a_reasoning_gym_row():
         assert (final.reward, final.done, final.metrics["tool_calls"]) == (1.0, True, 0)
         assert tool.metrics["tool_calls"] == 1
         assert pool.errors == {"raised": 0, "timeout": 0, "garbage": 0, "worker_died": 0}
+
+
+def test_tool_math_few_shot_and_no_calculator():
+    """few_shot conversations go between the system message and the question, in order; calculator=false offers no
+    tool (the no-tool arm of configs/tool_math_nocalc_cpu.yaml): its prompt names none and a call is an error."""
+    shot = [{"role": "user", "content": "1 + 2 ="}, {"role": "assistant", "content": call("1 + 2")},
+            {"role": "tool", "content": "3"}, {"role": "assistant", "content": "<answer>3</answer>"}]
+    env = ToolMath(few_shot=[shot, shot[:1] + [{"role": "assistant", "content": "<answer>3</answer>"}]])
+    messages = env.reset(CHAIN_SUM)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "user",
+                                             "assistant", "user"]
+    assert messages[1:5] == shot and messages[-1]["content"] == CHAIN_SUM["question"]
+    bare = ToolMath(calculator=False)
+    messages = bare.reset(CHAIN_SUM)
+    assert "<tool_call>" not in messages[0]["content"] and "<answer></answer>" in messages[0]["content"]
+    r = bare.step(say(messages, call("37 + 45")))
+    assert r.observation[0]["content"].startswith("error: unknown tool 'calculator'") and not r.done
+    assert r.metrics == {"tool_calls": 1, "tool_errors": 1}
+    assert bare.step(say(messages, f"<answer>{37 + 45 - 19}</answer>")).reward == 1.0
+
+
+@pytest.mark.parametrize("few_shot, message", [
+    ("1 + 2", "few_shot must be a list"),
+    ([[]], r"few_shot\[0\] must be a non-empty list"),
+    ([[{"role": "user", "content": "q"}, {"role": "robot", "content": "a"}]], r"few_shot\[0\]\[1\] must be"),
+    ([[{"role": "assistant", "content": "a"}]], r"few_shot\[0\] must start with a user message"),
+])
+def test_tool_math_few_shot_refused_with_its_position(few_shot, message):
+    with pytest.raises(ValueError, match=message):
+        ToolMath(few_shot=few_shot)
