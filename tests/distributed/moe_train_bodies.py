@@ -28,6 +28,12 @@ def pg_loss(inp: LossInputs):
     return loss, {"loss": loss.detach()}
 
 
+def masked_pg_loss(inp: LossInputs):
+    """pg_loss over the tokens that count (inp.mask: a multi-turn trajectory's observation tokens do not)."""
+    loss = (-inp.advantages * torch.exp(inp.logprobs - inp.old_logprobs) * inp.mask).sum() / inp.num_global_tokens
+    return loss, {"loss": loss.detach()}
+
+
 def zero_advantage_batch(vocab: int, seed: int = 0) -> RolloutBatch:
     rng = random.Random(seed)
     return RolloutBatch(input_ids=[[rng.randrange(vocab) for _ in range(SEQ)] for _ in range(N)],
@@ -42,11 +48,12 @@ def switch_loss(router_logits: torch.Tensor, topk: int) -> torch.Tensor:
     return e * ((counts / (t * topk)) * probs.mean(0)).sum()
 
 
-def hf_reference(model_dir: str, batch: RolloutBatch, coef: float, temperature: float = 1.0):
+def hf_reference(model_dir: str, batch: RolloutBatch, coef: float, temperature: float = 1.0, masks=None):
     """(response logprobs at `temperature`, policy loss, gradient norm, HF weights after one AdamW step) of
     pg_loss + coef x the micro-batches' Switch losses weighted by their token share, with one sequence per
     micro-batch (what the callers' budgets give). The router sees each sequence's input positions: all tokens but
-    the last, T_i of them."""
+    the last, T_i of them. masks (bool per response token): only those tokens enter the policy loss and its
+    normaliser; the router still sees every position."""
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.models.tiny import disk_state_dict
@@ -54,14 +61,15 @@ def hf_reference(model_dir: str, batch: RolloutBatch, coef: float, temperature: 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.train()
     k = model.config.num_experts_per_tok
-    n_tokens, routed = batch.num_response_tokens(), sum(len(ids) - 1 for ids in batch.input_ids)
+    masks = masks or [torch.ones(len(ids) - p, dtype=torch.bool) for ids, p in zip(batch.input_ids, batch.prompt_lens)]
+    n_tokens, routed = int(sum(m.sum() for m in masks)), sum(len(ids) - 1 for ids in batch.input_ids)
     lps, loss_sum = [], 0.0
-    for ids, p, a in zip(batch.input_ids, batch.prompt_lens, batch.advantages):
+    for ids, p, a, m in zip(batch.input_ids, batch.prompt_lens, batch.advantages, masks):
         out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
         lp = torch.log_softmax(out.logits[0].float() / temperature, -1).gather(-1, torch.tensor(ids[1:])[:, None])
         lp = lp[p - 1:, 0]
         lps.append(lp.detach())
-        pg = -(a * torch.exp(lp - lp.detach())).sum() / n_tokens
+        pg = -(a * torch.exp(lp - lp.detach()) * m).sum() / n_tokens
         aux = coef * (len(ids) - 1) / routed * sum(switch_loss(lg, k) for lg in out.router_logits)
         (pg + aux).backward()
         loss_sum += float(pg)
@@ -101,17 +109,21 @@ UNEVEN_LENS, UNEVEN_PROMPTS, UNEVEN_ADV, UNEVEN_BUDGET = (15, 9, 8), (4, 3, 2), 
 TEMP = 0.7
 
 
-def uneven_batch(vocab: int, seed: int = 5) -> RolloutBatch:
+def uneven_batch(vocab: int, seed: int = 5, masked: bool = False) -> RolloutBatch:
+    """masked: every third response token from the second on is an observation (loss mask False), as a multi-turn
+    trajectory's tool results are."""
     rng = random.Random(seed)
+    masks = [torch.arange(n - p) % 3 != 1 for n, p in zip(UNEVEN_LENS, UNEVEN_PROMPTS)] if masked else None
     return RolloutBatch(input_ids=[[rng.randrange(vocab) for _ in range(n)] for n in UNEVEN_LENS],
-                        prompt_lens=list(UNEVEN_PROMPTS), advantages=list(UNEVEN_ADV))
+                        prompt_lens=list(UNEVEN_PROMPTS), advantages=list(UNEVEN_ADV), loss_mask=masks)
 
 
 def uneven_microbatches(rank: int, world_size: int, model_dir: str, coef: float):
     """Logprobs, one training step (policy loss and the router's load-balancing loss) and reference logprobs at EP=2
     on `uneven_batch`, whose plan gives the DP ranks 1 and 2 micro-batches, with padded rows and with varlen rows
-    (each its own filler layout). On rank 0: {"none" / "varlen": the worker's results, "ref": `hf_reference`'s,
-    which knows nothing of micro-batches or padding}."""
+    (each its own filler layout), and with varlen rows on the batch with observation tokens masked
+    ("varlen_masked": multi-turn at EP). On rank 0: {mode: the worker's results, "ref" / "ref_masked":
+    `hf_reference`'s, which knows nothing of micro-batches or padding}."""
     import json
 
     from megatron_rl.policy import packing
@@ -119,11 +131,12 @@ def uneven_microbatches(rank: int, world_size: int, model_dir: str, coef: float)
     from tests.distributed.policy_bodies import _merge
 
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
-    batch = uneven_batch(vocab)
     res = {}
-    for mode in ("none", "varlen"):
+    for mode in ("none", "varlen", "varlen_masked"):
+        batch = uneven_batch(vocab, masked=mode == "varlen_masked")
+        loss_fn = masked_pg_loss if batch.loss_mask else pg_loss
         cfg = PolicyConfig(model=model_dir, ep=2, precision="fp32", moe_aux_loss_coef=coef, shared_prefix=False,
-                           packing=mode, max_tokens_per_microbatch=UNEVEN_BUDGET,
+                           packing=mode.split("_")[0], max_tokens_per_microbatch=UNEVEN_BUDGET,
                            optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS))
         w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
         w.setup()
@@ -131,10 +144,10 @@ def uneven_microbatches(rank: int, world_size: int, model_dir: str, coef: float)
         # (varlen's cost 8 + 7 > 14 too), each micro-batch one sequence (the weighting hf_reference assumes)
         own = [packing.plan_microbatches(batch, shared=False, varlen=w.varlen, max_tokens=UNEVEN_BUDGET, dp_size=2,
                                          dp_rank=r) for r in range(2)]
-        assert w.varlen == (mode == "varlen"), mode
+        assert w.varlen == mode.startswith("varlen"), mode
         assert [len(p) for p in own] == [1, 2] and all(len(u.members) == 1 for p in own for mb in p for u in mb), own
         lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
-        out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
+        out = [o for o in _gather_obj(w.train(batch, loss_fn, temperature=TEMP)) if o]
         after = _gather_obj(w.hf_state_dict())
         ref_lp = _merge(_gather_obj(w.reference_logprobs(batch, temperature=TEMP)))
         res[mode] = {"logprobs": [lp[i] for i in range(len(batch))],
@@ -143,8 +156,12 @@ def uneven_microbatches(rank: int, world_size: int, model_dir: str, coef: float)
                      "after": {k: v for d in after if d for k, v in d.items()}}
     if rank != 0:
         return None
-    lps, loss, norm, state = hf_reference(model_dir, batch, coef, temperature=TEMP)
-    return {**res, "ref": {"logprobs": lps, "loss": loss, "grad_norm": norm, "after": state}}
+    refs = {}
+    for name, masked in (("ref", False), ("ref_masked", True)):
+        b = uneven_batch(vocab, masked=masked)
+        lps, loss, norm, state = hf_reference(model_dir, b, coef, temperature=TEMP, masks=b.loss_mask)
+        refs[name] = {"logprobs": lps, "loss": loss, "grad_norm": norm, "after": state}
+    return {**res, **refs}
 
 
 def ep2_suite(rank: int, world_size: int, model_dir: str, coef: float):

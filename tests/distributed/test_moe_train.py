@@ -6,7 +6,9 @@
 - a batch whose token-budget plan gives the two DP ranks 1 and 2 micro-batches (the EP group's all-to-all in every
   MoE layer of every micro-batch then waited forever on the rank with more) runs logprobs, a step and reference
   logprobs to completion, each equal to HF's: the padding that evens the counts changes neither the outputs nor the
-  update, also with the load-balancing loss on. A hang fails the launch at its timeout.
+  update, also with the load-balancing loss on. A hang fails the launch at its timeout;
+- the same batch with every third response token masked (a multi-turn trajectory's observations) trains like HF
+  with those tokens left out of the policy loss and its normaliser (the router still routes them).
 """
 import pytest
 import torch
@@ -42,9 +44,9 @@ def test_aux_loss_step_equals_switch_loss_reference(results, model_dir):
         torch.testing.assert_close(v, ref[k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")
 
 
-@pytest.mark.parametrize("packing", ["none", "varlen"])
+@pytest.mark.parametrize("packing", ["none", "varlen", "varlen_masked"])
 def test_uneven_microbatch_counts_over_ep_ranks_run_and_equal_hf(results, packing):
-    got, ref = results["uneven"][packing], results["uneven"]["ref"]
+    got, ref = results["uneven"][packing], results["uneven"]["ref_masked" if packing.endswith("masked") else "ref"]
     for name in ("logprobs", "ref_logprobs"):  # reference logprobs: the initial weights, which HF's are
         for i, want in enumerate(ref["logprobs"]):
             torch.testing.assert_close(got[name][i], want, atol=1e-5, rtol=0, msg=lambda s: f"{name}[{i}]: {s}")
@@ -56,3 +58,9 @@ def test_uneven_microbatch_counts_over_ep_ranks_run_and_equal_hf(results, packin
     assert set(got["after"]) == set(ref["after"])
     for k, v in got["after"].items():
         torch.testing.assert_close(v, ref["after"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{k}: {s}")
+
+
+def test_the_masked_reference_differs_from_the_unmasked(results):
+    """So the masked comparison above would fail were the worker to train the observation tokens."""
+    masked, plain = results["uneven"]["ref_masked"], results["uneven"]["ref"]
+    assert abs(masked["loss"] - plain["loss"]) > 1e-4 and abs(masked["grad_norm"] - plain["grad_norm"]) > 1e-4
