@@ -29,7 +29,8 @@ PLOTS = [
 
 class Tracker:
     def __init__(self, out_dir: str | Path, *, resume_step: int, total_steps: int, tensorboard: bool, plots: bool,
-                 progress: bool, plot_every: int = 1, sinks: Sequence = (), samples: bool = True):
+                 progress: bool, plot_every: int = 1, sinks: Sequence = (), samples: bool = True,
+                 desc: str = "grpo"):
         """sinks: started experiment trackers (`trackers.start_trackers`); closed by `close()`. samples: keep
         samples.jsonl (logging.samples_per_step > 0)."""
         self.dir = Path(out_dir)
@@ -54,7 +55,7 @@ class Tracker:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc=desc, unit="step", dynamic_ncols=True)
 
     def _rewrite(self) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
