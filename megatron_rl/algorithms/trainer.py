@@ -95,6 +95,7 @@ class Algorithm:
     max_nonfinite_steps: int = 3
     nonfinite_key = "max_nonfinite_steps"  # the config key named when the run aborts
     keeps_samples = False  # samples.jsonl (completions): GRPO's
+    panels = None  # metrics.png's panels (tracking.PLOTS when None)
 
     def begin(self, start: int, driver_state: dict) -> None:
         """After the resume, before the tracker opens (GRPO: refit the engines, start async sampling)."""
@@ -142,7 +143,8 @@ def run_loop(cfg: Config, c, point, algo: Algorithm) -> int:
         algo.begin(start, driver_state)
         tracker = Tracker(out, resume_step=start, total_steps=algo.max_steps, tensorboard=cfg.logging.tensorboard,
                           plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every,
-                          sinks=start_trackers(cfg, out), samples=algo.keeps_samples, desc=algo.name)
+                          sinks=start_trackers(cfg, out), samples=algo.keeps_samples, desc=algo.name,
+                          **({"panels": algo.panels} if algo.panels else {}))
         if start == 0:
             algo.baseline(tracker)
         nonfinite = 0
