@@ -98,10 +98,10 @@ class Supervised(Algorithm):
         stream = self.c.train_stream
         batch = self.batch([self.data.train[i] for i in stream.next_batch()])
         rec = {"step": step, "epoch": stream.epoch}  # the epoch this batch belongs to
-        t0 = time.perf_counter()
-        if self.dpo:
+        if self.dpo:  # the frozen reference's pass over this batch
+            t0 = time.perf_counter()
             batch.ref_logprobs = self.c.policy.reference_logprobs(batch, 1.0)
-        rec["time_logprobs_s"] = time.perf_counter() - t0
+            rec["time_logprobs_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         res = self.c.policy.train(batch, self.loss_fn, 1.0)
         rec["time_train_s"] = time.perf_counter() - t0
