@@ -107,8 +107,9 @@ def hf_dpo_reference(model_dir: str, batch: RolloutBatch, ref: list[torch.Tensor
 
 
 def sft_dpo_layouts(rank: int, world_size: int, model_dir: str, other_dir: str):
-    """The references once, then each layout's worker: SFT at dp2/tp2/pp2; DPO (reference logprobs from another
-    model, so h != 0) at dp2/tp2/pp2 packed, dp2 unpacked (no shared prefix), and dp2 varlen (cascade attention)."""
+    """The references once, then each layout's worker: SFT at dp2/tp2/pp2 and dp2 varlen in small micro-batches;
+    DPO (reference logprobs from another model, so h != 0) at dp2/tp2/pp2 packed, dp2 in small micro-batches, dp2
+    unpacked (no shared prefix), and dp2 varlen (cascade attention)."""
     from megatron_rl.algorithms.supervised_loss import DPOLossFn, SFTLossFn
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
@@ -123,6 +124,8 @@ def sft_dpo_layouts(rank: int, world_size: int, model_dir: str, other_dir: str):
         res["sft_ref"] = res["sft_ref"][:2]
         res["dpo_ref"] = res["dpo_ref"][:2]
     runs = [("sft", "dp2", {}), ("sft", "tp2", dict(tp=2)), ("sft", "pp2", dict(pp=2)),
+            # whole examples packed into several token-budget varlen micro-batches (pairs: whole pairs)
+            ("sft", "dp2_varlen_small_mb", dict(budget=24, packing="varlen")), ("dpo", "dp2_small_mb", dict(budget=32)),
             ("dpo", "dp2", {}), ("dpo", "tp2", dict(tp=2)), ("dpo", "pp2", dict(pp=2)),
             ("dpo", "dp2_unpacked", dict(shared_prefix=False)), ("dpo", "dp2_varlen", dict(packing="varlen"))]
     for algo, name, kw in runs:
@@ -132,7 +135,8 @@ def sft_dpo_layouts(rank: int, world_size: int, model_dir: str, other_dir: str):
             setattr(cfg, k, v)
         w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
         w.setup()
-        out = {"shared_prefix": w.shared_prefix, "varlen": w.varlen}
+        out = {"shared_prefix": w.shared_prefix, "varlen": w.varlen,
+               "micro_batches": len(w._micro_batches(sb if algo == "sft" else pb))}
         if algo == "dpo":
             # the worker's own reference pass (the frozen initial weights) is the HF model's logprobs
             ref = _merge(_gather_obj(w.reference_logprobs(pb)))

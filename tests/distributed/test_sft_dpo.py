@@ -8,8 +8,8 @@ from megatron_rl.distributed.launch import run_distributed
 from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed import sft_dpo_bodies
 
-SFT_LAYOUTS = ["dp2", "tp2", "pp2"]
-DPO_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_unpacked", "dp2_varlen"]
+SFT_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_varlen_small_mb"]
+DPO_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "dp2_unpacked", "dp2_varlen"]
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +18,14 @@ def results(tmp_path_factory):
     model = write_tiny_hf_model(root / "policy", "qwen2", seed=3)
     other = write_tiny_hf_model(root / "reference", "qwen2", seed=4)  # DPO's reference logprobs: h != 0
     return run_distributed(sft_dpo_bodies.sft_dpo_layouts, 2, args=(str(model), str(other)), timeout=900)[0]
+
+
+def test_small_budgets_split_the_batch(results):
+    # several micro-batches per DP rank: the global normalisation (and, for DPO, whole pairs) is what keeps the
+    # small-budget layouts equal to the references below
+    assert results[("sft", "dp2_varlen_small_mb")]["micro_batches"] > 1
+    assert results[("dpo", "dp2_small_mb")]["micro_batches"] > 1
+    assert results[("sft", "dp2")]["micro_batches"] == results[("dpo", "dp2")]["micro_batches"] == 1
 
 
 def _weights_match(after, ref_state, what):
