@@ -60,8 +60,9 @@ def load_data(cfg: Config, tok, model_dir: Path, dp_size: int) -> SupervisedData
     train = read(cfg.data.path, tok, limit, cfg.data.use_chat_template)
     val = read(cfg.data.val_path, tok, limit, cfg.data.use_chat_template)[:s.val_max_examples] \
         if cfg.data.val_path and s.val_every > 0 else []
-    if len(train) < dp_size:
-        raise DataError(f"{cfg.data.path}: {len(train)} examples cannot feed {dp_size} data-parallel ranks")
+    for path, examples in ((cfg.data.path, train), (cfg.data.val_path, val)):
+        if examples and len(examples) < dp_size:
+            raise DataError(f"{path}: {len(examples)} examples cannot feed {dp_size} data-parallel ranks")
     stream = ExampleStream(len(train), s.batch_size, seed=s.seed, shuffle=s.shuffle, min_batch=dp_size)
     return SupervisedData(train, val, s.max_steps or steps_for(s.epochs, stream), stream)
 
