@@ -110,7 +110,13 @@ def cmd_supervised(args: argparse.Namespace) -> int:
         from megatron_rl.config import to_dict
         from megatron_rl.config.preflight import preflight
 
-        preflight(cfg, machine=False)
+        from megatron_rl.algorithms.supervised import load_data
+        from megatron_rl.config.loader import resolve_model_dir
+        from megatron_rl.distributed.parallel_dims import layout_of
+
+        tok = preflight(cfg, machine=False)
+        # every line of the data read and checked too: a bad one is named here, as a run would name it
+        load_data(cfg, tok, resolve_model_dir(cfg.policy.model), layout_of(cfg).policy.dp)
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from megatron_rl.build import run
@@ -266,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("config", help=f"YAML config, e.g. configs/{name}_cpu.yaml")
         p.add_argument("overrides", nargs="*", help=f"key.path=value overrides, e.g. data.path=FILE {name}.epochs=2")
         p.add_argument("--dry-run", action="store_true",
-                       help="validate the config against the model and tokenizer, print it resolved, then exit")
+                       help="validate the config against the model and tokenizer and read the data, print the config "
+                            "resolved, then exit")
         p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/checkpoint error")
         p.set_defaults(func=cmd_supervised)
 

@@ -9,7 +9,6 @@ The worker trains any `RolloutBatch`; what makes these ones SFT or DPO is only t
 """
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -74,7 +73,3 @@ def pair_batch(pairs: list[PairExample]) -> RolloutBatch:
             groups.append(k)
             roles.append(role)
     return RolloutBatch(input_ids=ids, prompt_lens=plens, group_ids=groups, seq_roles=roles, keep_groups=True)
-
-
-def num_batches(n: int, batch_size: int) -> int:
-    return math.ceil(n / batch_size)

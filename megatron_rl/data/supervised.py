@@ -139,13 +139,15 @@ class Renderer:
         return full, p, trained[p:]
 
 
-def _checked_length(n: int, max_len: int, field: str) -> None:
+def _checked_length(n: int, max_len: int, field: str, key: str) -> None:
     if n > max_len:
-        raise _LineError(f"field {field!r}: the example has {n} tokens, more than the context of {max_len} "
-                         "(sft.max_seq_len / dpo.max_seq_len, default the model's max_position_embeddings)")
+        raise _LineError(f"field {field!r}: the example has {n} tokens, more than the context of {max_len} ({key}, "
+                         "default the model's max_position_embeddings)")
 
 
-def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True) -> list[SFTExample]:
+def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
+             key: str = "sft.max_seq_len") -> list[SFTExample]:
+    """`max_len`: the longest example allowed, set by the config key `key` (named when one is longer)."""
     r = Renderer(tok, chat)
     out = []
     for p, lineno, obj in _lines(path):
@@ -158,7 +160,7 @@ def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True) 
                 ids, plen, mask, field = prompt + comp, len(prompt), [True] * len(comp), "completion"
             else:
                 raise _LineError("missing field 'messages' (or 'prompt' and 'completion')")
-            _checked_length(len(ids), max_len, field)
+            _checked_length(len(ids), max_len, field, key)
         except _LineError as e:
             raise DataError(f"{p}:{lineno}: {e}") from None
         out.append(SFTExample(tuple(ids), plen, tuple(mask), lineno))
@@ -167,7 +169,8 @@ def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True) 
     return out
 
 
-def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True) -> list[PairExample]:
+def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
+               key: str = "dpo.max_seq_len") -> list[PairExample]:
     r = Renderer(tok, chat)
     out = []
     for p, lineno, obj in _lines(path):
@@ -175,7 +178,7 @@ def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True
             prompt = r.prompt(obj)
             chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
             longer = "chosen" if len(chosen) >= len(rejected) else "rejected"
-            _checked_length(len(prompt) + max(len(chosen), len(rejected)), max_len, longer)
+            _checked_length(len(prompt) + max(len(chosen), len(rejected)), max_len, longer, key)
         except _LineError as e:
             raise DataError(f"{p}:{lineno}: {e}") from None
         out.append(PairExample(tuple(prompt), tuple(chosen), tuple(rejected), lineno))

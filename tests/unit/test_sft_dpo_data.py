@@ -107,3 +107,15 @@ def test_stream_epochs_shuffle_and_exact_resume():
     assert [again.next_batch() for _ in range(3)] == nxt
     tail = ExampleStream(9, 4, seed=0, shuffle=False, min_batch=2)
     assert [tail.next_batch() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]]  # tail of 1 dropped
+
+
+def test_dry_run_reads_the_data_and_names_a_bad_line(tmp_path, capsys):
+    """`megatron-rl sft|dpo --dry-run` checks the data file as a run would, before anything starts."""
+    from megatron_rl.cli import main
+
+    bad = write(tmp_path / "bad.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"},
+                                         {"prompt": "p", "chosen": "c"}])
+    assert main(["dpo", "configs/dpo_cpu.yaml", f"data.path={bad}", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == f"data error: {bad}:2: missing field 'rejected'"
+    assert main(["sft", "configs/sft_cpu.yaml", "--dry-run"]) == 0
+    assert '"algorithm": "sft"' in capsys.readouterr().out
