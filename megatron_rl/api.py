@@ -4,6 +4,7 @@
 
     cfg = megatron_rl.load_config("configs/demo_cpu.yaml", ["grpo.max_steps=5"])
     history = megatron_rl.train(cfg)                       # the records of metrics.jsonl, one dict per line
+    history = megatron_rl.api.sft("configs/sft_cpu.yaml", ["data.path=my.jsonl"])   # or .dpo(...)
     result = megatron_rl.evaluate("trained_hf", config=cfg, n=4)
 
 They run the CLI's own code paths (the config loader, `build.run` or a stage chain, `algorithms.evaluate`)
@@ -20,7 +21,7 @@ from typing import Union
 
 from megatron_rl.config import Config, ConfigError
 
-__all__ = ["train", "load_config", "evaluate", "ConfigError", "TrainingError"]
+__all__ = ["train", "sft", "dpo", "load_config", "evaluate", "ConfigError", "TrainingError"]
 ConfigLike = Union[str, Path, dict, Config]
 
 
@@ -72,6 +73,17 @@ def train(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
     path = str(config) if isinstance(config, (str, Path)) else None
     _check(run(cfg, config_path=path, overrides=overrides), path or cfg.output.dir)
     return read_metrics(cfg.output.dir)
+
+
+def sft(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
+    """Supervised fine-tuning (`megatron-rl sft`): `config` with algorithm=sft, run as `train` runs GRPO; returns
+    the metrics history."""
+    return train(config, ["algorithm=sft", *(overrides or [])])
+
+
+def dpo(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
+    """DPO / IPO / hinge preference training (`megatron-rl dpo`); returns the metrics history."""
+    return train(config, ["algorithm=dpo", *(overrides or [])])
 
 
 def evaluate(model: str | Path, config: ConfigLike | None = None, *, data: str | None = None,

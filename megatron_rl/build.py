@@ -1,5 +1,6 @@
 """The one place that turns a `Config` into running parts: Ray, placement, policy ranks, generator, data, reward;
-and `run`, which builds them for a training run and runs the GRPO loop on them (`megatron-rl train`).
+and `run`, which builds them for a training run and runs the loop on them (`megatron-rl train`, `sft`, `dpo`).
+SFT and DPO (`cfg.algorithm`) start the policy ranks only (`build_supervised`): no vLLM engine.
 
 Colocated (default): policy ranks and the generator share each device bundle (fractional resources) and take turns;
 disaggregated: the generator gets bundles of its own, out of the cluster's devices (`parallel_dims.device_layout`).
@@ -38,10 +39,12 @@ class Components:
         # vLLM first: Ray's shutdown otherwise leaks vLLM's /dev/shm segments (its broadcaster outlives a killed actor)
         for part in (self.generator, self.policy):
             try:
-                part.shutdown()
+                if part is not None:
+                    part.shutdown()
             except Exception:
                 pass
-        for closing in (self.reward_fn.close, getattr(self.env_pool, "shutdown", lambda: None)):
+        # SFT / DPO: no generator, reward or environments (None)
+        for closing in (getattr(self.reward_fn, "close", lambda: None), getattr(self.env_pool, "shutdown", lambda: None)):
             try:
                 closing()
             except Exception:
@@ -72,16 +75,51 @@ def build_data(cfg: Config, tok):
     return tok, stream, val_items
 
 
-def build(cfg: Config, out_dir: Path) -> Components:
-    import ray
-
+def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share: float, max_steps: int):
+    """Ray, the placement (`n_bundles` devices) and the policy ranks on its first bundles: (placement, PolicyGroup,
+    the logs folder). CPU: each rank gets cores / `sharing` threads; `share`: the fraction of a device each rank asks
+    Ray for (colocated with a generator: half)."""
     from megatron_rl.distributed.cluster import init_ray, reserve
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.distributed.worker_group import WorkerGroup
-    from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
-    from megatron_rl.generation.pool import GeneratorPool
     from megatron_rl.policy.group import PolicyGroup
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    c = cfg.cluster
+    world = layout_of(cfg).policy.world_size
+    # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
+    init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
+    placement = reserve(n_bundles)
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cores = os.cpu_count() or 1
+    threads = None if get_platform().is_gpu else (cfg.policy.threads or max(1, cores // sharing))
+    group = WorkerGroup(MegatronPolicyWorker, placement, name="policy", world_size=world, share=share,
+                        log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
+                        init_kwargs=dict(policy_cfg=cfg.policy, max_steps=max_steps))
+    return placement, PolicyGroup(group), logs
+
+
+def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
+    """SFT / DPO: the policy ranks alone, each with its device to itself; no generator, reward or environments.
+    The handover is a disaggregated one without a generator: the trainer always holds the device."""
+    from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
+    from megatron_rl.distributed.parallel_dims import layout_of
+
+    world = layout_of(cfg).policy.world_size
+    placement, policy, _ = start_policy(cfg, out_dir, world, world, 1.0, data.max_steps)
+    handover = Handover(policy, None, colocated=False, bucket_bytes=BUCKET_BYTES,
+                        sleep_level=cfg.generation.sleep_level)
+    return Components(policy, None, tok, data.stream, [], None, placement, resolve_model_dir(cfg.policy.model),
+                      handover)
+
+
+def build(cfg: Config, out_dir: Path) -> Components:
+    import ray
+
+    from megatron_rl.distributed.parallel_dims import layout_of
+    from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
+    from megatron_rl.generation.pool import GeneratorPool
     from megatron_rl.rewards.reward_fn import RewardFn
 
     plat = get_platform()
@@ -94,22 +132,13 @@ def build(cfg: Config, out_dir: Path) -> Components:
     c = cfg.cluster
     layout = layout_of(cfg)  # the loader validated the same layout
     world, gen_bundles, n_bundles = layout.policy.world_size, layout.engines, layout.bundles
-    # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
-    init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
-    placement = reserve(n_bundles)
-    logs = out_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    cores = os.cpu_count() or 1
     # CPU: synchronous phases alternate (generate, then train), so each side may use every core while the other
     # waits; async runs generate while they train, so every process gets its own share (oversubscribing 2 cores was
     # measured ~8x slower)
     sharing = world + len(gen_bundles) if cfg.grpo.max_staleness > 0 else world
-    threads = None if plat.is_gpu else (cfg.policy.threads or max(1, cores // sharing))
     share = layout.share
-    group = WorkerGroup(MegatronPolicyWorker, placement, name="policy", world_size=world, share=share,
-                        log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
-                        init_kwargs=dict(policy_cfg=cfg.policy, max_steps=cfg.grpo.max_steps))
-    policy = PolicyGroup(group)
+    placement, policy, logs = start_policy(cfg, out_dir, n_bundles, sharing, share, cfg.grpo.max_steps)
+    cores = os.cpu_count() or 1
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
 
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
@@ -155,15 +184,30 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     out = Path(cfg.output.dir)
     # before anything starts: the newest intact checkpoint, and a refusal if the config changed the run since
     point = resume_point(cfg, out, checkpoint_root(cfg))
-    if point.checkpoint is not None and point.step >= cfg.grpo.max_steps:
-        print(f"[megatron-rl] already complete at step {point.step} ({point.checkpoint}); raise grpo.max_steps "
+    supervised = cfg.algorithm != "grpo"
+    data = None
+    if supervised:  # SFT / DPO: every example read and checked first (their count sets the steps of an epoch)
+        from megatron_rl.algorithms.supervised import load_data
+        from megatron_rl.distributed.parallel_dims import layout_of
+
+        tok = preflight(cfg, generator=False)
+        try:
+            data = load_data(cfg, tok, resolve_model_dir(cfg.policy.model), layout_of(cfg).policy.dp)
+        except DataError as e:
+            print(f"data error: {e}", file=sys.stderr, flush=True)
+            return 2
+    max_steps, key = (data.max_steps, f"{cfg.algorithm}.max_steps") if supervised else (cfg.grpo.max_steps,
+                                                                                         "grpo.max_steps")
+    if point.checkpoint is not None and point.step >= max_steps:
+        print(f"[megatron-rl] already complete at step {point.step} ({point.checkpoint}); raise {key} "
               "to train further", flush=True)
         return 0
-    random.seed(cfg.grpo.seed)
-    torch.manual_seed(cfg.grpo.seed)
+    seed = getattr(cfg, cfg.algorithm).seed
+    random.seed(seed)
+    torch.manual_seed(seed)
     print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
     try:
-        c = build(cfg, out)
+        c = build_supervised(cfg, out, tok, data) if supervised else build(cfg, out)
     except DataError as e:  # raised while reading the data, before Ray or any worker starts
         print(f"data error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -172,6 +216,11 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     # replaces the handler with its own.
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        if supervised:
+            from megatron_rl.algorithms.supervised import Supervised
+            from megatron_rl.algorithms.trainer import run_loop
+
+            return run_loop(cfg, c, point, Supervised(cfg, c, data, t_start))
         return train_loop(cfg, c, point, t_start=t_start)
     finally:
         c.shutdown()

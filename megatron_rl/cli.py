@@ -1,4 +1,4 @@
-"""`megatron-rl` command line: train, eval, convert, plan, info (and `--version`).
+"""`megatron-rl` command line: train, sft, dpo, eval, convert, plan, info (and `--version`).
 
 Each subcommand parses its own arguments and delegates to the module that owns the work; heavy imports happen inside
 the handlers so `megatron-rl --help`, every `megatron-rl COMMAND --help` and `info` stay fast. Each command's
@@ -101,6 +101,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     return run(cfg, config_path=args.config, overrides=args.overrides)
 
 
+def cmd_supervised(args: argparse.Namespace) -> int:
+    """`megatron-rl sft` / `megatron-rl dpo`: the config with algorithm set to the command's, then the same run."""
+    from megatron_rl.config import load_config
+
+    cfg = load_config(args.config, [f"algorithm={args.command}", *args.overrides])
+    if args.dry_run:
+        from megatron_rl.config import to_dict
+        from megatron_rl.config.preflight import preflight
+
+        from megatron_rl.algorithms.supervised import load_data
+        from megatron_rl.config.loader import resolve_model_dir
+        from megatron_rl.distributed.parallel_dims import layout_of
+
+        tok = preflight(cfg, machine=False)
+        # every line of the data read and checked too: a bad one is named here, as a run would name it
+        load_data(cfg, tok, resolve_model_dir(cfg.policy.model), layout_of(cfg).policy.dp)
+        print(json.dumps(to_dict(cfg), indent=2))
+        return 0
+    from megatron_rl.build import run
+
+    return run(cfg, config_path=args.config, overrides=args.overrides)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from megatron_rl.algorithms.evaluate import main as eval_main
 
@@ -171,6 +194,43 @@ def train_epilog() -> str:
             "  megatron-rl train configs/demo_cpu.yaml policy.optimizer.lr=1e-5 --dry-run")
 
 
+SUPERVISED_DESCRIPTION = {
+    "sft": """\
+Supervised fine-tuning from a JSONL file on the Megatron policy ranks (TP/PP/DP/EP, as `train`), no vLLM engine.
+Each line is {"messages": [...]} (OpenAI chat form, rendered with the tokenizer's chat template; the assistant
+turns are trained) or {"prompt": ..., "completion": ...} (the completion is trained). Examples are packed into
+token-budget micro-batches; the loss is normalised by the batch's trained tokens (sft.loss_normalizer=tokens) or per
+sequence. Outputs, checkpoints and resuming as `train`; export with `megatron-rl convert megatron-to-hf`.""",
+    "dpo": """\
+Direct preference optimisation from a JSONL file of {"prompt", "chosen", "rejected"} lines (text or chat messages)
+on the Megatron policy ranks, against the frozen initial weights as the reference; no vLLM engine. A pair's prompt is
+trained once (chosen and rejected share it in one packed row). Losses: dpo.loss=sigmoid | ipo | hinge, with
+dpo.beta, dpo.label_smoothing, dpo.sft_loss_weight, dpo.average_logprobs. Outputs, checkpoints and resuming as
+`train`.""",
+}
+
+SUPERVISED_KEYS = (
+    ("data.path data.val_path", "training and held-out JSONL files"),
+    ("{a}.batch_size {a}.epochs {a}.max_steps", "examples per step, passes over the file, or a step count"),
+    ("{a}.val_every", "validation loss on data.val_path every N steps (0: never)"),
+    ("{a}.max_seq_len", "tokens of one example (default: the model's context)"),
+    ("policy.optimizer.lr policy.scheduler.warmup_steps", "learning rate and its warm-up (policy.scheduler.*)"),
+    ("policy.optimizer.clip_grad", "gradient clipping (global norm)"),
+    ("policy.tp policy.pp policy.dp", "trainer parallelism"),
+    ("output.dir", "where the run writes"),
+)
+
+
+def supervised_epilog(name: str) -> str:
+    rows = [(k.format(a=name), what) for k, what in SUPERVISED_KEYS]
+    if name == "sft":
+        rows.insert(4, ("sft.loss_normalizer", "tokens | sequences"))
+    else:
+        rows.insert(4, ("dpo.loss dpo.beta", "sigmoid | ipo | hinge, and its beta"))
+    return (f"main config keys (docs/sft_dpo.md; every key: megatron_rl/config/schema.py):\n{_key_table(rows)}\n\n"
+            f"example:\n  megatron-rl {name} configs/{name}_cpu.yaml {name}.max_steps=3 output.dir=runs/{name}_try")
+
+
 INFO_DESCRIPTION = """\
 Versions of megatron-rl and the packages it runs on (torch, megatron-core, vLLM, Ray, transformers, ...), the platform
 this process sees (device CPU or CUDA, distributed backend, default dtype, log-prob implementation, Transformer
@@ -183,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(
         prog="megatron-rl",
-        description="GRPO post-training on megatron-core (TP/PP/DP), vLLM rollouts and Ray.",
+        description="GRPO, SFT and DPO post-training on megatron-core (TP/PP/DP), vLLM rollouts and Ray.",
         epilog="`megatron-rl COMMAND --help` says what a command does and names its arguments and config keys.\n"
                "examples:\n"
                "  megatron-rl train configs/demo_cpu.yaml\n"
@@ -204,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate the config against the model and tokenizer, print it resolved, then exit")
     p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/checkpoint error")
     p.set_defaults(func=cmd_train)
+
+    for name, text in (("sft", "supervised fine-tuning from a JSONL file (messages, or prompt/completion)"),
+                       ("dpo", "DPO / IPO / hinge preference training from a JSONL file of prompt/chosen/rejected")):
+        p = sub.add_parser(name, help=text, description=SUPERVISED_DESCRIPTION[name], epilog=supervised_epilog(name),
+                           formatter_class=raw)
+        p.add_argument("config", help=f"YAML config, e.g. configs/{name}_cpu.yaml")
+        p.add_argument("overrides", nargs="*", help=f"key.path=value overrides, e.g. data.path=FILE {name}.epochs=2")
+        p.add_argument("--dry-run", action="store_true",
+                       help="validate the config against the model and tokenizer and read the data, print the config "
+                            "resolved, then exit")
+        p.add_argument("--debug", action="store_true", help="show the traceback of a config/data/checkpoint error")
+        p.set_defaults(func=cmd_supervised)
 
     # The tools below parse their own flags (so each module owns its interface); `--help` is forwarded to them.
     for name, func, text in (

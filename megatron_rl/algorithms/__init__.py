@@ -1,4 +1,5 @@
-"""GRPO algorithm pieces that are pure torch: the policy loss, advantages, dynamic sampling."""
+"""GRPO algorithm pieces that are pure torch: the policy loss, advantages, dynamic sampling. (The shared training loop
+is `trainer.py`; SFT and DPO are `supervised*.py`.)"""
 from megatron_rl.algorithms.advantages import (
     SampledGroups, dynamic_sample, group_advantages, groups_with_signal, sanitize_rewards,
 )

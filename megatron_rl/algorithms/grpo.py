@@ -12,8 +12,6 @@ logged as skipped and changes nothing; `grpo.max_empty_steps` of them in a row a
 """
 from __future__ import annotations
 
-import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,15 +29,14 @@ MULTITURN_METRICS = ("turns_mean", "tool_calls_mean", "env_errors", "observation
 from megatron_rl.algorithms.samples import pick_train_samples
 from megatron_rl.algorithms.trainable import rescale_metrics, trainable_part, why_not_skippable
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
-from megatron_rl.algorithms.trackers import start_trackers
 from megatron_rl.algorithms.tracking import Tracker
-from megatron_rl.config import Config, dump_yaml
+from megatron_rl.algorithms.trainer import (Algorithm, CheckpointSaveError, NonFiniteAbort, checkpoint_root,  # noqa: F401
+                                            run_loop)
+from megatron_rl.algorithms.trainer import resume as _resume  # noqa: F401  (tests and benches import them from here)
+from megatron_rl.algorithms.trainer import save as _save
+from megatron_rl.config import Config
 from megatron_rl.distributed.parallel_dims import layout_of
 from megatron_rl.platform import device_telemetry
-
-
-class NonFiniteAbort(RuntimeError):
-    pass
 
 
 class EmptyStepsAbort(RuntimeError):
@@ -65,63 +62,6 @@ def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> di
     # wall time from the start of this process's run (set-up included): "accuracy within N minutes"
     out["time_since_start_s"] = time.monotonic() - t_start
     return out
-
-
-class CheckpointSaveError(RuntimeError):
-    pass
-
-
-def _save(cfg: Config, c, root: Path, step: int, pending: list[dict] | None = None) -> None:
-    from megatron_rl.distributed.worker_group import WorkerDiedError
-
-    state = {"step": step, "stream": c.train_stream.state_dict(), "py_random": list(random.getstate()[1]),
-             "pending_rollouts": pending or []}  # async: rollouts already sampled for later steps
-    path = root / f"step_{step}"
-    try:
-        c.policy.save(str(path), extra=state)
-    except WorkerDiedError:
-        raise
-    except Exception as e:  # e.g. a full disk: say which checkpoint failed and that the previous one still stands
-        from megatron_rl.models.checkpoint import latest_checkpoint
-
-        cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-        prev = latest_checkpoint(root)
-        raise CheckpointSaveError(
-            f"saving checkpoint {path} failed: {cause}{_space_hint(root, prev)}; nothing of it was kept, and "
-            + (f"the previous checkpoint {prev} is intact (re-running resumes from it)" if prev
-               else "there is no earlier checkpoint")) from e
-    done = sorted((p for p in root.glob("step_*") if p.is_dir() and p.name.split("_")[-1].isdigit()),
-                  key=lambda p: int(p.name.split("_")[-1]))
-    for old in done[:-cfg.checkpoint.keep_last] if cfg.checkpoint.keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _space_hint(root: Path, prev: Path | None) -> str:
-    """Writers do not always surface ENOSPC (torch's zip writer reports "unexpected pos"): name a full disk."""
-    try:
-        free = shutil.disk_usage(root).free
-        need = sum(f.stat().st_size for f in prev.rglob("*") if f.is_file()) if prev else 0
-    except OSError:
-        return ""
-    if need and free < need:
-        return f" (the filesystem of {root} has {free / 2**20:.0f} MiB free; a checkpoint needs about " \
-               f"{need / 2**20:.0f} MiB)"
-    return ""
-
-
-def _resume(cfg: Config, c, latest: Path | None) -> tuple[int, dict]:
-    """(the step to continue after, the driver state saved with it); `latest` as `resume.resume_point` chose it."""
-    if latest is None:
-        if cfg.init_from:  # a stage chain: start from the previous stage's weights, fresh optimizer and data
-            c.handover.to_trainer()
-            c.policy.group.call("load_weights", cfg.init_from)
-            print(f"[megatron-rl] initialised from {cfg.init_from}")
-        return 0, {}
-    c.handover.to_trainer()
-    state = c.policy.load(str(latest))
-    c.train_stream.load_state_dict(state["stream"])
-    print(f"[megatron-rl] resumed from {latest} (step {state['step']})")
-    return int(state["step"]), state
 
 
 def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: SampledRollout | None = None,
@@ -252,93 +192,94 @@ def _split(batch, parts: int):
     return out
 
 
-def checkpoint_root(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.output.dir) / "checkpoints"
+class GRPO(Algorithm):
+    """GRPO's data path for the shared loop (`algorithms/trainer.py`): each step samples and scores a rollout (or
+    takes the async pipeline's), trains it and refits the engines."""
+
+    name = "grpo"
+    nonfinite_key = "grpo.max_nonfinite_steps"
+
+    def __init__(self, cfg: Config, c, t_start: float):
+        self.cfg, self.c, self.t_start = cfg, c, t_start
+        g = cfg.grpo
+        self.max_steps, self.max_nonfinite_steps = g.max_steps, g.max_nonfinite_steps
+        self.val_every = g.val_every if c.val_items else 0
+        self.keeps_samples = cfg.logging.samples_per_step > 0
+        self.loss_fn = GRPOLossFn(g.loss)
+        self.pipeline = None
+        self.empty = 0
+        self.samples: list[dict] = []
+
+    def begin(self, start: int, driver_state: dict) -> None:
+        cfg, c = self.cfg, self.c
+        if start > 0 or cfg.init_from:  # loaded a checkpoint or a previous stage's weights: the engine needs them
+            c.handover.refit()
+        c.handover.to_generator()
+        self.weights_step = start  # the step whose weights the trainer (and, after each refit, the engines) hold
+        self.start, self.pending = start, driver_state.get("pending_rollouts")
+
+    def baseline(self, tracker: Tracker) -> None:
+        if not self.c.val_items:
+            return
+        base = _validate(self.cfg, self.c, self.t_start, 0, tracker)
+        tracker.log_validation(0, base)
+        passk = f", pass@{self.cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}" if "val_pass_at_k" in base else ""
+        print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
+
+    def save(self, step: int) -> None:
+        _save(self.cfg, self.c, checkpoint_root(self.cfg), step,
+              pending=self.pipeline.state() if self.pipeline is not None else None)
+
+    def step(self, step: int, checkpoint) -> dict:
+        if self.cfg.grpo.max_staleness > 0 and self.pipeline is None:
+            # async: started with the first step, after the baseline validation (which needs the engines alone)
+            self.pipeline = RolloutPipeline(self.cfg, self.c, self.start, self.pending)
+        p = self.pipeline
+        self.samples = []
+        return train_step(self.cfg, self.c, step, self.loss_fn, checkpoint=checkpoint,
+                          rollout=p.take(step, self.weights_step) if p is not None else None,
+                          before_refit=p.join if p is not None else None, weights_step=self.weights_step,
+                          samples=self.samples)
+
+    def on_record(self, step: int, rec: dict, tracker: Tracker) -> None:
+        tracker.log_samples(step, "train", self.samples)  # before any abort: the completions say why
+        if not rec["no_trainable_groups"]:
+            self.weights_step = step
+        self.empty = self.empty + 1 if rec["no_trainable_groups"] else 0
+        if self.empty:
+            print(f"[megatron-rl] step {step}: no trainable group ({rec['num_groups_dropped']} dropped with "
+                  f"all-equal rewards), update skipped ({self.empty} in a row)", file=sys.stderr, flush=True)
+
+    def check_abort(self, step: int, rec: dict, tracker: Tracker) -> None:
+        if self.empty and self.empty >= self.cfg.grpo.max_empty_steps:
+            tracker.log(rec)
+            raise EmptyStepsAbort(f"{self.empty} consecutive steps without a trainable group "
+                                  f"(grpo.max_empty_steps={self.cfg.grpo.max_empty_steps}): every group's rewards "
+                                  "were all equal; the task is too hard or too easy for this policy, or the reward is "
+                                  "broken; aborting")
+
+    def validate(self, step: int, tracker: Tracker) -> dict:
+        return _validate(self.cfg, self.c, self.t_start, step, tracker)
+
+    def after_log(self, step: int, rec: dict) -> None:
+        # warns naming the step, or raises MismatchAbort. A stale rollout (async) was generated by older weights:
+        # its gap to the trainer is expected, not a bug
+        if rec.get("staleness_max", 0) == 0:
+            check_mismatch(rec, self.cfg.grpo, step)
+
+    def summary(self, tracker: Tracker, out: Path) -> None:
+        _summary(self.cfg, tracker, out)
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
 
 
 def train_loop(cfg: Config, c, point, *, t_start: float) -> int:
     """GRPO on the running parts `c` (`build.Components`), from the resume point `point`
     (`algorithms.resume.resume_point`) to grpo.max_steps; t_start: when the run started (validation records time
-    since it). `megatron_rl.build.run` builds the parts, calls this and shuts them down; this closes what it opened
-    (the tracker, the async rollout pipeline)."""
-    out, root = Path(cfg.output.dir), checkpoint_root(cfg)
-    tracker = pipeline = None
-    finished = False
-    try:
-        # after build()'s pre-flight checks: a config refused there never replaces the one the checkpoints were made
-        # with (resume_point compares against it)
-        dump_yaml(cfg, out / "config.yaml")
-        start, driver_state = _resume(cfg, c, point.checkpoint)
-        if start > 0 or cfg.init_from:  # loaded a checkpoint or a previous stage's weights: the engine needs them
-            c.handover.refit()
-        c.handover.to_generator()
-        tracker = Tracker(out, resume_step=start, total_steps=cfg.grpo.max_steps, tensorboard=cfg.logging.tensorboard,
-                          plots=cfg.logging.plots, progress=cfg.logging.progress, plot_every=cfg.logging.plot_every,
-                          sinks=start_trackers(cfg, out), samples=cfg.logging.samples_per_step > 0)
-        if start == 0 and c.val_items:
-            base = _validate(cfg, c, t_start, 0, tracker)
-            tracker.log_validation(0, base)
-            passk = f", pass@{cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}" if "val_pass_at_k" in base else ""
-            print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
-        loss_fn = GRPOLossFn(cfg.grpo.loss)
-        nonfinite = empty = 0
-        weights_step = start  # the step whose weights the trainer (and, after each refit, the engines) hold
-        if cfg.grpo.max_staleness > 0:
-            pipeline = RolloutPipeline(cfg, c, start, driver_state.get("pending_rollouts"))
-        for step in range(start + 1, cfg.grpo.max_steps + 1):
-            due = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == cfg.grpo.max_steps)
-            save_failed: list[CheckpointSaveError] = []
-
-            def checkpoint(s=step):
-                try:
-                    _save(cfg, c, root, s, pending=pipeline.state() if pipeline is not None else None)
-                except CheckpointSaveError as e:  # the step finishes and is logged; the run stops after that
-                    save_failed.append(e)
-
-            # the checkpoint is written inside the step, while the trainer's state is resident (colocated handover)
-            samples: list[dict] = []
-            rec = train_step(cfg, c, step, loss_fn, checkpoint=checkpoint if due else None,
-                             rollout=pipeline.take(step, weights_step) if pipeline is not None else None,
-                             before_refit=pipeline.join if pipeline is not None else None, weights_step=weights_step,
-                             samples=samples)
-            tracker.log_samples(step, "train", samples)  # before any abort below: the completions say why
-            if not rec["no_trainable_groups"]:
-                weights_step = step
-            empty = empty + 1 if rec["no_trainable_groups"] else 0
-            nonfinite = nonfinite + 1 if rec["skipped"] and not rec["no_trainable_groups"] else 0
-            if empty:
-                print(f"[megatron-rl] step {step}: no trainable group ({rec['num_groups_dropped']} dropped with "
-                      f"all-equal rewards), update skipped ({empty} in a row)", file=sys.stderr, flush=True)
-            elif rec["skipped"]:
-                print(f"[megatron-rl] step {step}: non-finite loss or gradient, update skipped "
-                      f"({nonfinite} in a row)", file=sys.stderr, flush=True)
-            if nonfinite and nonfinite >= cfg.grpo.max_nonfinite_steps:
-                tracker.log(rec)  # the aborting step's record is kept too
-                raise NonFiniteAbort(f"{nonfinite} consecutive steps with non-finite loss/gradients "
-                                     f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); aborting")
-            if empty and empty >= cfg.grpo.max_empty_steps:
-                tracker.log(rec)
-                raise EmptyStepsAbort(f"{empty} consecutive steps without a trainable group "
-                                      f"(grpo.max_empty_steps={cfg.grpo.max_empty_steps}): every group's rewards were "
-                                      "all equal; the task is too hard or too easy for this policy, or the reward is "
-                                      "broken; aborting")
-            if cfg.grpo.val_every and step % cfg.grpo.val_every == 0 and c.val_items and not save_failed:
-                rec.update(_validate(cfg, c, t_start, step, tracker))
-            tracker.log(rec)
-            if save_failed:
-                raise save_failed[0]
-            # after logging, so an aborting step's record is kept: warns naming the step, or raises MismatchAbort.
-            # A stale rollout (async) was generated by older weights: its gap to the trainer is expected, not a bug
-            if rec.get("staleness_max", 0) == 0:
-                check_mismatch(rec, cfg.grpo, step)
-        _summary(cfg, tracker, out)
-        finished = True
-        return 0
-    finally:
-        if pipeline is not None:
-            pipeline.close()
-        if tracker is not None:
-            tracker.close(failed=not finished)
+    since it). The loop itself is the shared one (`trainer.run_loop`)."""
+    return run_loop(cfg, c, point, GRPO(cfg, c, t_start))
 
 
 def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:

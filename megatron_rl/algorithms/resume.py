@@ -5,7 +5,8 @@
   or corrupt shard) gets a warning naming it and the file at fault. Checkpoints but none intact: a one-line refusal.
 - A config whose keys that change the run (the data, the model, the algorithm, the reward: `RUN_KEYS`) differ from
   the run's saved `<output.dir>/config.yaml` is refused, naming the keys, unless `checkpoint.allow_config_change`.
-- The GRPO loop says "already complete at step N" and exits when that checkpoint reached `grpo.max_steps`.
+- The GRPO loop says "already complete at step N" and exits when that checkpoint reached `grpo.max_steps` (SFT/DPO:
+  their own max_steps). SFT and DPO runs compare their own section instead of the GRPO ones (`SUPERVISED_RUN_KEYS`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ class ResumePoint:
     step: int  # the step that checkpoint finished (0 without one)
 
 
+# SFT / DPO runs (`algorithm: sft | dpo`): their own section instead of grpo, generation, reward and environment
+SUPERVISED_RUN_KEYS = ("data", "policy.model", "policy.tokenizer", "init_from")
+SUPERVISED_FREE_KEYS = ("max_steps", "val_every", "val_max_examples", "max_nonfinite_steps")
+
+
 def _under(path: str, keys: tuple[str, ...]) -> bool:
     return any(path == k or path.startswith(k + ".") for k in keys)
 
@@ -55,12 +61,24 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 def changed_run_keys(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """(key path, saved value, current value) of each key in RUN_KEYS (but FREE_KEYS) that differs; a key present
     on one side only counts as changed (value None on the other)."""
+    algos = (saved.get("algorithm") or "grpo", current.get("algorithm") or "grpo")  # saved before the key: grpo
+    if algos[0] != algos[1]:
+        return [("algorithm", *algos)]
+    if algos[0] != "grpo":
+        return _changed(saved, current, SUPERVISED_RUN_KEYS + (algos[0],),
+                        ("data.val_seed", "data.val_path") + tuple(f"{algos[0]}.{k}" for k in SUPERVISED_FREE_KEYS))
     a, b = _flatten(saved), _flatten(current)
     single_turn = a.get("environment.cls") is None and b.get("environment.cls") is None
     # a single-turn run (on both sides) uses no other environment key; configs saved before the section existed lack
     # it, and their runs must still resume
     keys = sorted(k for k in set(a) | set(b) if _under(k, RUN_KEYS) and not _under(k, FREE_KEYS)
                   and not (single_turn and _under(k, ("environment",))))
+    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
+
+
+def _changed(saved: dict, current: dict, run_keys: tuple[str, ...], free_keys: tuple[str, ...]):
+    a, b = _flatten(saved), _flatten(current)
+    keys = sorted(k for k in set(a) | set(b) if _under(k, run_keys) and not _under(k, free_keys))
     return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
 
 

@@ -1,4 +1,5 @@
-"""Stage chains: several GRPO configs run in order, each starting from the previous stage's final weights.
+"""Stage chains: several configs run in order, each starting from the previous stage's final weights (GRPO stages,
+or SFT / DPO ones with `algorithm: sft | dpo`, e.g. SFT then GRPO).
 
 A chain file has one key, `stages`, a list of {config: FILE, overrides: [..]} (paths relative to the chain file).
 Command-line overrides apply to every stage. A stage whose newest checkpoint already reached its `grpo.max_steps`
@@ -51,9 +52,12 @@ def run_chain(path: str | Path, overrides: list[str], *, run: Callable[[Config],
         cfg = load_config(st.config, st.overrides + list(overrides) + extra)
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.output.dir) / "checkpoints"
         latest = latest_checkpoint(root)
+        # SFT / DPO stages: their step count may come from the data (epochs), which `run` reads; it then says
+        # "already complete" itself, before starting anything
+        last = cfg.grpo.max_steps if cfg.algorithm == "grpo" else getattr(cfg, cfg.algorithm).max_steps
         if dry_run:
             print(f"stage {i}: {st.config} -> {cfg.output.dir} (init_from={cfg.init_from})")
-        elif latest is not None and read_metadata(latest).get("step", 0) >= cfg.grpo.max_steps:
+        elif cfg.algorithm == "grpo" and latest is not None and read_metadata(latest).get("step", 0) >= last:
             print(f"[megatron-rl] stage {i} ({st.config}) already finished at {latest}")
         else:
             print(f"[megatron-rl] stage {i}: {st.config}", flush=True)
@@ -61,7 +65,7 @@ def run_chain(path: str | Path, overrides: list[str], *, run: Callable[[Config],
             if rc:
                 return rc
             latest = latest_checkpoint(root)
-        previous = latest if latest is not None else root / f"step_{cfg.grpo.max_steps}"
+        previous = latest if latest is not None else root / f"step_{last or 'N'}"
     return 0
 
 

@@ -26,10 +26,19 @@ PLOTS = [
     ("seconds per step", ["time_generate_s", "time_logprobs_s", "time_train_s", "time_refit_s", "time_step_s"]),
 ]
 
+# SFT / DPO runs (algorithms/supervised.py)
+SUPERVISED_PLOTS = [
+    ("loss", ["loss", "val_loss"]),
+    ("DPO rewards (beta x log-ratio)", ["rewards_chosen", "rewards_rejected", "rewards_margin"]),
+    ("DPO preference accuracy", ["rewards_accuracy", "val_rewards_accuracy"]),
+    ("seconds per step", ["time_logprobs_s", "time_train_s", "time_step_s"]),
+]
+
 
 class Tracker:
     def __init__(self, out_dir: str | Path, *, resume_step: int, total_steps: int, tensorboard: bool, plots: bool,
-                 progress: bool, plot_every: int = 1, sinks: Sequence = (), samples: bool = True):
+                 progress: bool, plot_every: int = 1, sinks: Sequence = (), samples: bool = True,
+                 desc: str = "grpo", panels: Sequence = tuple(PLOTS)):
         """sinks: started experiment trackers (`trackers.start_trackers`); closed by `close()`. samples: keep
         samples.jsonl (logging.samples_per_step > 0)."""
         self.dir = Path(out_dir)
@@ -42,6 +51,7 @@ class Tracker:
             self._rewrite()
         self.samples = SampleFile(self.dir, resume_step) if samples else None
         self.plots, self.plot_every = plots, max(1, plot_every)
+        self.panels = list(panels)
         self.tb = None
         if tensorboard:
             try:
@@ -54,7 +64,7 @@ class Tracker:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=resume_step, desc="grpo", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=resume_step, desc=desc, unit="step", dynamic_ncols=True)
 
     def _rewrite(self) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
@@ -81,6 +91,8 @@ class Tracker:
         step = rec["step"]
         if self.bar is not None:
             post = {"reward": f"{rec.get('reward_mean', 0):.3f}", "s/step": f"{rec.get('time_step_s', 0):.1f}"}
+            if "reward_mean" not in rec and rec.get("loss") is not None:  # SFT / DPO: no reward, a loss
+                post = {"loss": f"{rec['loss']:.4f}", "s/step": f"{rec.get('time_step_s', 0):.1f}"}
             if rec.get("val_accuracy") is not None:
                 post["val"] = f"{rec['val_accuracy']:.3f}"
             self.bar.set_postfix(post)
@@ -113,7 +125,7 @@ class Tracker:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-        for ax, (title, keys) in zip(axes.flat, PLOTS):
+        for ax, (title, keys) in zip(axes.flat, self.panels):
             for k in keys:
                 pts = [(r["step"], r[k]) for r in self.history if r.get(k) is not None]
                 if pts:

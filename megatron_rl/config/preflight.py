@@ -220,19 +220,24 @@ def warn_answer_format(cfg: Config) -> None:
         print(f"[megatron-rl] warning: {msg}", file=sys.stderr, flush=True)
 
 
-def preflight(cfg: Config, *, machine: bool = True):
+def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = None):
     """Run every check (module doc); returns the tokenizer it loaded. machine=False skips the checks against this
-    machine, its platform and memory (a dry run may be validating a config for another machine)."""
+    machine, its platform and memory (a dry run may be validating a config for another machine). generator=False
+    (default for SFT and DPO, which start no engine) skips the engine's checks: its platform, context and memory,
+    and the reward's answer format."""
+    generator = cfg.algorithm == "grpo" if generator is None else generator
     if machine:
-        check_generation_platform(cfg)
+        if generator:
+            check_generation_platform(cfg)
         require_trackers(cfg.logging)  # a configured tracker whose package is missing names its pip extra
     model_dir = resolve_model_dir(cfg.policy.model)
     spec, label = _model_spec(cfg, model_dir)
     tok = load_checked_tokenizer(cfg, model_dir)
     check_vocab(cfg, spec, label, tok)
     check_chat_template(cfg, tok)
-    check_context(cfg, spec, label)
-    warn_answer_format(cfg)
-    if machine:
+    if generator:
+        check_context(cfg, spec, label)
+        warn_answer_format(cfg)
+    if machine and generator:
         check_generation_memory(cfg, spec)
     return tok

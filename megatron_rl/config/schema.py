@@ -198,6 +198,42 @@ class GRPOConfig:
 
 
 @dataclass
+class SupervisedConfig:
+    """What SFT and DPO share (`megatron-rl sft` / `megatron-rl dpo`, docs/sft_dpo.md): the examples of a step, how
+    long to train, the order, validation. Data: data.path (train JSONL) and data.val_path (held-out JSONL)."""
+    # optimizer steps; None: `epochs` passes over the training file (steps = epochs x ceil(examples / batch_size))
+    max_steps: Optional[int] = None
+    epochs: int = 1
+    batch_size: int = 8  # examples per optimizer step (DPO: pairs); the last batch of an epoch may be smaller
+    shuffle: bool = True  # a new permutation of the examples every epoch (seeded by `seed`)
+    seed: int = 42
+    val_every: int = 0  # validation loss on data.val_path every N steps (and at step 0); 0: never
+    val_max_examples: int = 256  # the first N examples of data.val_path
+    # tokens of one example (prompt + completion; DPO: prompt + the longer response); None: the model's
+    # max_position_embeddings. A longer example is a data error naming its file, line and field
+    max_seq_len: Optional[int] = None
+    max_nonfinite_steps: int = 3  # consecutive NaN/inf steps before aborting
+
+
+@dataclass
+class SFTConfig(SupervisedConfig):
+    # tokens: -sum of the trained tokens' logprobs / their global count. sequences: each example's token mean, then
+    # the mean over examples
+    loss_normalizer: Literal["tokens", "sequences"] = "tokens"
+
+
+@dataclass
+class DPOConfig(SupervisedConfig):
+    """Pairwise preference losses on h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l)): sigmoid (DPO,
+    Rafailov et al. 2023), ipo (Azar et al. 2023), hinge (SLiC); formulas in docs/sft_dpo.md."""
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # sigmoid only: conservative DPO's probability that a label is flipped
+    sft_loss_weight: float = 0.0  # + weight x the chosen response's token-mean NLL, averaged over pairs (RPO)
+    average_logprobs: bool = False  # each response's logprob is its token mean instead of its sum
+
+
+@dataclass
 class DataConfig:
     # reasoning_gym: generated tasks. jsonl: DeepScaleR/AIME-style problem/answer lines. hf: tables read with the
     # `datasets` library (verl's parquet format as it is; data/hf_dataset.py)
@@ -326,6 +362,10 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     # previous stage whose final checkpoint initialises this run (stage chains); None for a fresh start
     init_from: Optional[str] = None
+    # which trainer runs: `megatron-rl train` (grpo), `megatron-rl sft`, `megatron-rl dpo` set it
+    algorithm: Literal["grpo", "sft", "dpo"] = "grpo"
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def max_model_len(self) -> int:
         """The engine's context: generation.max_model_len, by default the longest prompt plus the response budget

@@ -33,6 +33,11 @@ class RolloutBatch:
     # (`algorithms/trainable.py`); None: this batch's own counts.
     step_tokens: Optional[int] = None
     step_seqs: Optional[int] = None
+    # The loss couples the sequences of a group (DPO: a pair's chosen and rejected): each group stays in one
+    # micro-batch on one DP rank, shared-prefix packed or not (`policy/packing.py`)
+    keep_groups: bool = False
+    # one number per sequence handed to the loss as `LossInputs.seq_roles` (DPO: 1 chosen, 0 rejected); None: none
+    seq_roles: Optional[list[float]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -44,7 +49,8 @@ class RolloutBatch:
 
         return RolloutBatch(pick(self.input_ids), pick(self.prompt_lens), pick(self.advantages),
                             pick(self.old_logprobs), pick(self.ref_logprobs), pick(self.gen_logprobs),
-                            pick(self.group_ids), loss_mask=pick(self.loss_mask))
+                            pick(self.group_ids), loss_mask=pick(self.loss_mask), keep_groups=self.keep_groups,
+                            seq_roles=pick(self.seq_roles))
 
     def loss_normalizers(self) -> tuple[int, int]:
         """(response tokens, sequences) the loss divides by."""

@@ -5,6 +5,10 @@ flat over the micro-batch's response tokens (row by row). A loss must normalise 
 (`num_global_tokens`, `num_global_seqs`: the whole batch, across micro-batches and data-parallel ranks), so that the
 sum over micro-batches and ranks is the batch loss however the batch was split; metrics likewise are returned
 already divided by the global counts, so the worker only sums them.
+
+Losses over whole sequences (SFT per sequence, DPO's pairs) read the micro-batch's sequences from `seqs` (their
+global batch indices, in the order their tokens appear), with their `seq_groups` and `seq_roles`; a batch with
+`keep_groups` guarantees that every member of a group is in the same micro-batch.
 """
 from __future__ import annotations
 
@@ -26,3 +30,6 @@ class LossInputs:
     gen_logprobs: Optional[torch.Tensor]
     num_global_tokens: float
     num_global_seqs: float
+    seqs: Optional[torch.Tensor] = None  # [m] long: the micro-batch's sequences (global indices), token order
+    seq_groups: Optional[torch.Tensor] = None  # [m] long: their group ids (RolloutBatch.group_ids), or None
+    seq_roles: Optional[torch.Tensor] = None  # [m] float: RolloutBatch.seq_roles of them, or None

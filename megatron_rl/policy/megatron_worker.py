@@ -257,14 +257,18 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
     # ------------------------------------------------------------------------------------------------ train
     def train(self, batch: RolloutBatch, loss_fn, temperature: float = 1.0) -> dict:
         """One optimizer step. Returns {"metrics", "logprobs" ({index: tensor}), "skipped"} on output ranks."""
-        if batch.advantages is None or len(batch.advantages) != len(batch):
-            raise ValueError("train() needs one advantage per sequence")
+        if batch.advantages is not None and len(batch.advantages) != len(batch):
+            raise ValueError(f"train() got {len(batch.advantages)} advantages for {len(batch)} sequences")
         self._require_resident("train")
         mbs = self._micro_batches(batch)
         n_tokens, n_seqs = batch.loss_normalizers()
         first_dp = self.dp_rank == 0
         own_lp: dict[int, torch.Tensor] = {}
-        adv = torch.tensor(batch.advantages, dtype=torch.float32)
+        # no advantages (SFT, DPO): zeros, so the loss contract keeps one shape
+        adv = torch.tensor(batch.advantages if batch.advantages is not None else [0.0] * len(batch),
+                           dtype=torch.float32)
+        groups = torch.tensor(batch.group_ids, dtype=torch.long) if batch.group_ids is not None else None
+        roles = torch.tensor(batch.seq_roles, dtype=torch.float32) if batch.seq_roles is not None else None
 
         aux_coeff = None
         if self.cfg.moe_aux_loss_coef > 0:  # over the real micro-batches: fillers route no loss-bearing token
@@ -295,7 +299,10 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
                     old_logprobs=old.to(dev) if old is not None else flat_lp.detach().float(),
                     ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),
                     gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
-                    num_global_tokens=float(n_tokens), num_global_seqs=float(n_seqs))
+                    num_global_tokens=float(n_tokens), num_global_seqs=float(n_seqs),
+                    seqs=torch.tensor(mb.indices, dtype=torch.long, device=dev),
+                    seq_groups=_to(groups[mb.indices] if groups is not None else None, dev),
+                    seq_roles=_to(roles[mb.indices] if roles is not None else None, dev))
                 loss, metrics = loss_fn(inputs)
                 report = first_dp and raw is mbs[0]
                 count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=dev)

@@ -106,5 +106,32 @@ def plan_microbatches(batch: RolloutBatch, *, shared: bool, varlen: bool, max_to
     empty ones (no units, at the end)."""
     units = plan_units(batch, shared=shared, max_tokens=max_tokens, dp_size=dp_size,
                        multiple=multiple if varlen else 0)
+    if batch.keep_groups and batch.group_ids is not None:
+        return _plan_bundles(batch, units, varlen=varlen, max_tokens=max_tokens, dp_size=dp_size, dp_rank=dp_rank,
+                             equal_counts=equal_counts)
     mbs = plan([u.length for u in units], dp_size, dp_rank, max_tokens, packed=varlen, equal_counts=equal_counts)
     return [[units[k] for k in mb.indices] for mb in mbs]
+
+
+def _plan_bundles(batch: RolloutBatch, units: list[Unit], *, varlen: bool, max_tokens: int, dp_size: int,
+                  dp_rank: int, equal_counts: bool) -> list[list[Unit]]:
+    """`keep_groups`: the units of one group (its packed row, or its sequences when it is not packed) form one
+    bundle that the plan places whole, so a loss over the group (DPO's pair) sees all of it in one micro-batch.
+    A bundle costs its total length packed; dense, it is planned as one row of rows x longest row, which is what
+    its rows cost in a padded bin when bundles have equal row counts (DPO: a packed pair is one row, an unpacked one
+    two, so all bundles of a batch agree unless some pairs are too long to pack)."""
+    bundles: dict = {}
+    for u in units:
+        bundles.setdefault(batch.group_ids[u.members[0]], []).append(u)
+    members = list(bundles.values())
+    if len(members) < dp_size:
+        raise ValueError(f"batch of {len(members)} groups cannot feed {dp_size} data-parallel ranks (a group's "
+                         "sequences stay together)")
+    cost = [sum(u.length for u in b) if varlen else len(b) * max(u.length for u in b) for b in members]
+    for b, c in zip(members, cost):
+        if c > max_tokens:
+            raise SequenceTooLongError(
+                f"group of sequences {[i for u in b for i in u.members]} needs {c} tokens in one micro-batch, more "
+                f"than policy.max_tokens_per_microbatch={max_tokens}; raise the budget")
+    mbs = plan(cost, dp_size, dp_rank, max_tokens, packed=varlen, equal_counts=equal_counts)
+    return [[u for k in mb.indices for u in members[k]] for mb in mbs]

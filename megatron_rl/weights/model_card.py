@@ -17,6 +17,10 @@ from megatron_rl.paths import read_metrics
 # per-step metrics worth a reader's eye, in this order; validation ones are taken from the last validation record
 TRAIN_KEYS = ("reward_mean", "response_len_mean", "kl", "entropy", "token_mult_prob_error")
 VAL_KEYS = ("val_accuracy", "val_pass_at_k")
+# SFT / DPO runs (`algorithm: sft | dpo` in the run's config)
+SUPERVISED_TRAIN_KEYS = ("loss", "rewards_accuracy", "rewards_margin")
+SUPERVISED_VAL_KEYS = ("val_loss", "val_rewards_accuracy")
+TITLES = {"grpo": "GRPO", "sft": "SFT", "dpo": "DPO"}
 
 
 def find_run(ckpt: Path) -> Path | None:
@@ -33,8 +37,26 @@ def _get(tree: dict, path: str):
     return tree
 
 
+def _algorithm(config: dict) -> str:
+    return config.get("algorithm") or "grpo"  # configs saved before the key are GRPO runs
+
+
+def _supervised_recipe(config: dict, step: int, algo: str) -> list[str]:
+    g = lambda p: _get(config, p)  # noqa: E731
+    steps = g(f"{algo}.max_steps")
+    loss = (f"loss `{g('dpo.loss')}`, beta {g('dpo.beta')}" if algo == "dpo"
+            else f"loss normaliser `{g('sft.loss_normalizer')}`")
+    return [f"- steps: {step} of `{algo}.max_steps` {steps}" if steps is not None
+            else f"- steps: {step} ({g(f'{algo}.epochs')} epochs)",
+            f"- algorithm: {TITLES[algo]}, {loss}, {g(f'{algo}.batch_size')} examples per step, lr "
+            f"{g('policy.optimizer.lr')}, precision {g('policy.precision')}",
+            f"- data: `{g('data.path')}`"]
+
+
 def _recipe_lines(config: dict, step: int) -> list[str]:
     g = lambda p: _get(config, p)  # noqa: E731
+    if _algorithm(config) != "grpo":
+        return _supervised_recipe(config, step, _algorithm(config))
     lines = [f"- steps: {step} of `grpo.max_steps` {g('grpo.max_steps')}",
              f"- algorithm: GRPO, loss variant `{g('grpo.loss.variant')}`, {g('grpo.num_prompts_per_step')} prompts "
              f"x {g('grpo.num_generations_per_prompt')} samples per step, lr {g('policy.optimizer.lr')}, "
@@ -51,12 +73,14 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _metrics_table(records: list[dict], step: int) -> list[str]:
+def _metrics_table(records: list[dict], step: int, algo: str = "grpo") -> list[str]:
     """first and last logged value of each key, over the records up to `step` (training keys: training records)."""
     upto = [r for r in records if r.get("step", 0) <= step]
-    trained = [r for r in upto if "reward_mean" in r]
+    marker, train_keys, val_keys = (("reward_mean", TRAIN_KEYS, VAL_KEYS) if algo == "grpo"
+                                    else ("loss", SUPERVISED_TRAIN_KEYS, SUPERVISED_VAL_KEYS))
+    trained = [r for r in upto if marker in r]
     rows = []
-    for keys, recs in ((TRAIN_KEYS, trained), (VAL_KEYS, upto)):
+    for keys, recs in ((train_keys, trained), (val_keys, upto)):
         for key in keys:
             pts = [r for r in recs if r.get(key) is not None]
             if pts:
@@ -74,13 +98,15 @@ def model_card(ckpt: Path, meta: dict, out_name: str, dtype: str) -> str:
     if base == "default":
         base = "SmolLM2-135M-Instruct (megatron-rl's embedded default model)"
     arch = ", ".join((meta.get("hf_config") or {}).get("architectures") or ["?"])
+    algo = _algorithm(config)
+    tags = "grpo, reinforcement-learning" if algo == "grpo" else algo
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
-             "tags: [megatron-rl, grpo, reinforcement-learning]", "---", "", f"# {out_name}", ""]
+             f"tags: [megatron-rl, {tags}]", "---", "", f"# {out_name}", ""]
     if run:
-        lines += [f"GRPO-trained with megatron-rl from **{base}** ({arch}, exported as "
+        lines += [f"{TITLES[algo]}-trained with megatron-rl from **{base}** ({arch}, exported as "
                   f"{dtype}): checkpoint step {step} of the run in `{run.name}`.", "", "## Recipe", "",
                   *_recipe_lines(config, step), ""]
-        table = _metrics_table(read_metrics(run), step)
+        table = _metrics_table(read_metrics(run), step, algo)
         if table:
             lines += ["## Metrics", "", f"From the run's metrics.jsonl, up to step {step}:", "", *table, ""]
         lines += ["<details><summary>The run's resolved config (config.yaml)</summary>", "", "```yaml",

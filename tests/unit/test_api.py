@@ -21,7 +21,7 @@ def test_import_is_light_and_names_the_api():
     code = ("import sys, megatron_rl; print(sorted(m for m in ('torch', 'ray', 'vllm', 'megatron') if m in sys.modules));"
             "print(megatron_rl.__all__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert r.stdout.splitlines() == ["[]", "['train', 'load_config', 'evaluate']"]
+    assert r.stdout.splitlines() == ["[]", "['train', 'sft', 'dpo', 'load_config', 'evaluate']"]
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         megatron_rl.trian
 
@@ -46,3 +46,23 @@ def test_load_config_errors_name_the_key():
         megatron_rl.load_config(cfg)
     with pytest.raises(TypeError, match="YAML path, a dict or a Config"):
         megatron_rl.load_config(42)
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_sft_and_dpo_run_the_shared_build_with_their_algorithm(algo, monkeypatch, tmp_path):
+    """`megatron_rl.sft` / `.dpo` are `train` with algorithm set: the same `build.run` gets the resolved config
+    (replaced here by a recorder: the run itself is tests/integration/test_sft_dpo_cli.py's)."""
+    import megatron_rl.build as build
+
+    seen = []
+    monkeypatch.setattr(build, "run", lambda cfg, **kw: seen.append(cfg) or 0)
+    monkeypatch.setattr("megatron_rl.paths.read_metrics", lambda out: [])
+    getattr(megatron_rl, algo)(REPO / "configs" / f"{algo}_cpu.yaml", [f"output.dir={tmp_path}", f"{algo}.beta=0.2"
+                                                                       if algo == "dpo" else "sft.epochs=2"])
+    (cfg,) = seen
+    assert cfg.algorithm == algo and cfg.data.path.endswith(f"{algo}_tiny.jsonl")
+    assert (cfg.dpo.beta == 0.2) if algo == "dpo" else (cfg.sft.epochs == 2)
+    with pytest.raises(ConfigError, match="data.path is required for algorithm=sft"):
+        megatron_rl.load_config(REPO / "configs" / "sft_cpu.yaml", ["algorithm=sft", "data.path=null"])
+    with pytest.raises(ConfigError, match=r"dpo\.beta must be > 0"):
+        megatron_rl.load_config(REPO / "configs" / "dpo_cpu.yaml", ["dpo.beta=0"])

@@ -179,3 +179,19 @@ def test_stage_chain_runs_its_stages_in_order_with_the_run_it_is_given(tmp_path)
     failed = []
     assert run_chain(chain, [], run=lambda cfg: failed.append(cfg.output.dir) or 3) == 3
     assert failed == [str(tmp_path / "a")]  # the second stage never starts
+
+
+def test_stage_chain_sft_then_grpo(tmp_path):
+    """An SFT stage (algorithm: sft) is always handed to `run` (which knows its epochs' step count and says when it
+    is complete); the GRPO stage after it starts from its last checkpoint."""
+    from megatron_rl.algorithms.stages import run_chain
+
+    model = tiny_model_dir(tmp_path)
+    data = write(tmp_path, "d.jsonl", '{"prompt": "p", "completion": "c"}\n')
+    write(tmp_path, "a.yaml", f"algorithm: sft\npolicy: {{model: {model}}}\noutput: {{dir: {tmp_path / 'a'}}}\n"
+                              f"data: {{path: {data}}}\nsft: {{max_steps: 4, batch_size: 2}}\n")
+    write(tmp_path, "b.yaml", f"policy: {{model: {model}}}\noutput: {{dir: {tmp_path / 'b'}}}\n")
+    chain = write(tmp_path, "chain.yaml", "stages:\n  - config: a.yaml\n  - config: b.yaml\n")
+    seen = []
+    assert run_chain(chain, [], run=lambda cfg: seen.append((cfg.algorithm, cfg.init_from)) or 0) == 0
+    assert seen == [("sft", None), ("grpo", str(tmp_path / "a" / "checkpoints" / "step_4"))]

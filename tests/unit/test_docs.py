@@ -2,7 +2,7 @@
 
 Commands are read from the code blocks (bash, console or unlabelled; in a block with `$ ` prompts only the prompted
 lines; `\\` continues a line, and so does an indented `[...]`/`--...` line under a synopsis):
-- `megatron-rl train CONFIG overrides` (also `bash launch/demo_cpu.sh overrides`, `launch/grpo_local.sh` and
+- `megatron-rl train|sft|dpo CONFIG overrides` (also `bash launch/demo_cpu.sh overrides`, `launch/grpo_local.sh` and
   `launch/slurm_grpo.sh`, which run it): `--dry-run`, i.e. the config, the overrides and the model/tokenizer checks.
   Where the config's model is the user's own and absent here (`policy.model=/path/to/hf_model`, the DeepScaleR
   recipes), the config and overrides are validated without the model. A command the doc shows failing (followed
@@ -161,8 +161,8 @@ def cli(args: list[str]) -> dict | None:
     if any(PLACEHOLDER.match(a) for a in rest):
         flags = sorted({f for a in rest for f in re.findall(r"--[a-z][\w-]*", a)})
         return {"kind": "synopsis", "sub": sub, "help_argv": help_argv, "flags": flags}
-    if sub == "train":
-        return {"kind": "train", "args": rest}
+    if sub in ("train", "sft", "dpo"):  # the same dry run, with the command's algorithm
+        return {"kind": "train", "sub": sub, "args": rest}
     if sub in TOOLS:
         return {"kind": "tool", "sub": sub, "help_argv": help_argv, "args": rest}
     return {"kind": "unknown", "sub": sub}
@@ -283,7 +283,7 @@ for job in jobs:
                         load_config("configs/demo_cpu.yaml", ns["overrides"], check_model=False)
         elif kind == "train":
             args = [tmpfix(a) for a in job["args"]]
-            argv = ["train", *args] + ([] if "--dry-run" in args else ["--dry-run"])
+            argv = [job.get("sub", "train"), *args] + ([] if "--dry-run" in args else ["--dry-run"])
             r, out, err = run_cli(argv, False)
             if job["expect"]:
                 want = " ".join(job["expect"].split())

@@ -119,3 +119,17 @@ def test_environment_keys_change_a_multiturn_run_only():
     more_turns = to_dict(_cfg("environment.cls=megatron_rl.environments.guess_number:GuessNumber",
                               "environment.max_turns=6", "environment.num_workers=4", "environment.timeout_s=30"))
     assert resume.changed_run_keys(multi, more_turns) == [("environment.max_turns", 4, 6)]
+
+
+def test_sft_and_dpo_runs_compare_their_own_section():
+    base = to_dict(load_config("configs/sft_cpu.yaml", ["algorithm=sft"], check_model=False))
+    changed = {**base, "sft": {**base["sft"], "loss_normalizer": "sequences", "max_steps": 9, "val_every": 1},
+               "grpo": {**base["grpo"], "num_prompts_per_step": 3}, "generation": {**base["generation"],
+                                                                                  "temperature": 0.5}}
+    # the objective changed; steps, validation and the unused GRPO/generation keys do not change an SFT run
+    assert resume.changed_run_keys(base, changed) == [("sft.loss_normalizer", "tokens", "sequences")]
+    assert resume.changed_run_keys(base, {**base, "algorithm": "dpo"}) == [("algorithm", "sft", "dpo")]
+    # a GRPO config saved before the algorithm key existed still resumes as GRPO
+    grpo = to_dict(load_config("configs/demo_cpu.yaml", check_model=False))
+    legacy = {k: v for k, v in grpo.items() if k not in ("algorithm", "sft", "dpo")}
+    assert resume.changed_run_keys(legacy, grpo) == []

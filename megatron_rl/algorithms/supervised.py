@@ -1,0 +1,148 @@
+"""SFT and DPO as data paths of the shared loop (`algorithms/trainer.py`): each step takes the next batch of the
+JSONL examples (`supervised_batches.ExampleStream`), DPO adds the frozen reference's logprobs of it (the weights the
+GRPO KL path keeps, `policy.reference_logprobs`), and the policy trains it with the algorithm's loss
+(`supervised_loss`). No generator runs. Validation: the same loss over data.val_path, forward only.
+
+    megatron-rl sft CONFIG.yaml [key=value ...]      (algorithm=sft)
+    megatron-rl dpo CONFIG.yaml [key=value ...]      (algorithm=dpo)
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.algorithms.supervised_batches import ExampleStream, pair_batch, sft_batch, steps_for
+from megatron_rl.algorithms.supervised_loss import DPOLossFn, SFTLossFn, batch_inputs
+from megatron_rl.algorithms.tracking import SUPERVISED_PLOTS, Tracker
+from megatron_rl.algorithms.trainer import Algorithm, checkpoint_root, save
+from megatron_rl.config import Config
+from megatron_rl.data.datasets import DataError
+from megatron_rl.platform import device_telemetry
+
+# the metrics a DPO step reports beside loss, grad_norm, lr and the counts (TRL's names, snake_case)
+DPO_METRICS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen",
+               "logps_rejected", "sft_loss")
+
+
+def section(cfg: Config):
+    """The algorithm's own config section (`sft` or `dpo`)."""
+    return getattr(cfg, cfg.algorithm)
+
+
+@dataclass
+class SupervisedData:
+    train: list  # SFTExample | PairExample
+    val: list
+    max_steps: int
+    stream: ExampleStream
+
+
+def max_len_of(cfg: Config, model_dir: Path) -> int:
+    s = section(cfg)
+    if s.max_seq_len is not None:
+        return s.max_seq_len
+    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+
+
+def load_data(cfg: Config, tok, model_dir: Path, dp_size: int) -> SupervisedData:
+    """Every example of data.path (and data.val_path) tokenized and checked, before any worker starts; a bad line
+    is a DataError naming its file, line and field."""
+    from megatron_rl.data.supervised import read_pairs, read_sft
+
+    s, key = section(cfg), cfg.algorithm
+    if not cfg.data.path:
+        raise DataError(f"data.path must name a JSONL file of {'SFT examples' if key == 'sft' else 'preference pairs'}"
+                        f" for megatron-rl {key}")
+    read = read_sft if key == "sft" else read_pairs
+    limit = max_len_of(cfg, model_dir)
+    train = read(cfg.data.path, tok, limit, cfg.data.use_chat_template)
+    val = read(cfg.data.val_path, tok, limit, cfg.data.use_chat_template)[:s.val_max_examples] \
+        if cfg.data.val_path and s.val_every > 0 else []
+    for path, examples in ((cfg.data.path, train), (cfg.data.val_path, val)):
+        if examples and len(examples) < dp_size:
+            raise DataError(f"{path}: {len(examples)} examples cannot feed {dp_size} data-parallel ranks")
+    stream = ExampleStream(len(train), s.batch_size, seed=s.seed, shuffle=s.shuffle, min_batch=dp_size)
+    return SupervisedData(train, val, s.max_steps or steps_for(s.epochs, stream), stream)
+
+
+class Supervised(Algorithm):
+    panels = SUPERVISED_PLOTS
+
+    def __init__(self, cfg: Config, c, data: SupervisedData, t_start: float):
+        self.cfg, self.c, self.data, self.t_start = cfg, c, data, t_start
+        s = section(cfg)
+        self.name = cfg.algorithm
+        self.nonfinite_key = f"{cfg.algorithm}.max_nonfinite_steps"
+        self.max_steps, self.max_nonfinite_steps = data.max_steps, s.max_nonfinite_steps
+        self.val_every = s.val_every if data.val else 0
+        self.dpo = cfg.algorithm == "dpo"
+        self.loss_fn = DPOLossFn(s) if self.dpo else SFTLossFn(s.loss_normalizer)
+        self._val_ref = None  # the reference's logprobs of the validation pairs: frozen weights, computed once
+
+    def batch(self, examples: list):
+        return pair_batch(examples) if self.dpo else sft_batch(examples)
+
+    def save(self, step: int) -> None:
+        save(self.cfg, self.c, checkpoint_root(self.cfg), step)
+
+    def baseline(self, tracker: Tracker) -> None:
+        if not self.val_every:
+            return
+        vals = self.validate(0, tracker)
+        tracker.log_validation(0, vals)
+        print(f"[megatron-rl] step 0 validation: loss {vals['val_loss']:.4f}", flush=True)
+
+    def step(self, step: int, checkpoint) -> dict:
+        t_step = time.perf_counter()
+        stream = self.c.train_stream
+        batch = self.batch([self.data.train[i] for i in stream.next_batch()])
+        rec = {"step": step, "epoch": stream.epoch}  # the epoch this batch belongs to
+        if self.dpo:  # the frozen reference's pass over this batch
+            t0 = time.perf_counter()
+            batch.ref_logprobs = self.c.policy.reference_logprobs(batch, 1.0)
+            rec["time_logprobs_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res = self.c.policy.train(batch, self.loss_fn, 1.0)
+        rec["time_train_s"] = time.perf_counter() - t0
+        if checkpoint is not None:
+            checkpoint()
+        m = res.metrics
+        rec.update({"loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "lr": m.get("lr"),
+                    "num_sequences": len(batch), "num_tokens": sum(len(x) for x in batch.input_ids),
+                    "num_trained_tokens": batch.num_response_tokens(), "num_tokens_fed": m.get("num_tokens_fed", 0.0),
+                    "skipped": res.skipped})
+        rec.update({k: m[k] for k in DPO_METRICS if k in m})
+        rec["time_step_s"] = time.perf_counter() - t_step
+        rec["tokens_per_s"] = rec["num_tokens"] / rec["time_step_s"]
+        rec.update(device_telemetry())
+        return rec
+
+    def validate(self, step: int, tracker: Tracker) -> dict:
+        """The training loss over the validation examples (one batch, split by the worker), no update."""
+        batch = self.batch(self.data.val)
+        lps = self.c.policy.logprobs(batch, 1.0)
+        if self.dpo and self._val_ref is None:
+            self._val_ref = self.c.policy.reference_logprobs(batch, 1.0)
+        loss, metrics = self.loss_fn(batch_inputs(batch, lps, self._val_ref))
+        out = {"val_loss": float(loss)}
+        out.update({f"val_{k}": float(v) for k, v in metrics.items() if k.startswith("rewards_")})
+        out["time_since_start_s"] = time.monotonic() - self.t_start
+        return out
+
+    def summary(self, tracker: Tracker, out: Path) -> None:
+        h = [r for r in tracker.history if r.get("loss") is not None]
+        if h:
+            k = min(5, len(h))
+            first = sum(r["loss"] for r in h[:k]) / k
+            last = sum(r["loss"] for r in h[-k:]) / k
+            print(f"[megatron-rl] done: {self.name} loss first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+        vals = [r for r in tracker.history if r.get("val_loss") is not None]
+        if vals:
+            print(f"[megatron-rl] validation loss {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> "
+                  f"{vals[-1]['val_loss']:.4f} (step {vals[-1]['step']})")
+        plot = tracker.plot() if self.cfg.logging.plots else None
+        print(f"[megatron-rl] metrics: {(out / 'metrics.jsonl').resolve()}")
+        if plot:
+            print(f"[megatron-rl] plots:   {plot.resolve()}")
