@@ -1,0 +1,47 @@
+"""Every bench's --smoke, each in its own process: its real code path at tiny shapes, one step/rep, through the
+bench's own report. A bench whose side fails to run exits non-zero, so an API change that breaks a bench fails here.
+
+(multiturn_bench.py, sandbox_bench.py, tool_demo.py and code_tests_bench.py have their own test_bench_*.py; the
+GPU check's --dry-run is tests/unit/test_gpu_check.py.) Each case: the bench's argv, lines its report must print
+(substrings), and a timeout well above its wall time on 2 busy cores.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.paths import default_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CASES = {
+    "plan_vs_nemo_rl": (["--smoke"], ["NeMo-RL TP1/PP2", "one-step-off speed-up", "smoke ok"], 120),
+    "logprob_bench": (["--smoke"], ["forward+backward", "naive ", "fused ", "fused_ent ", "smoke ok"], 180),
+    "convert_bench": (["--smoke"], ["hf-to-megatron", "megatron-to-hf", "ratios vs reference (wall)",
+                                    "round trip exact", "smoke ok"], 300),
+    "policy_bench": (["--smoke"], ["batch: 4 x 32 tokens", "megatron-rl ", "hf+adamw ", "ratio "], 300),
+    "shared_prefix_bench": (["--smoke"], ["padded ", "shared (mask) ", "varlen ", "varlen + cascade ",
+                                          "lm_head everywhere"], 300),
+}
+
+
+@pytest.mark.skipif(not (default_model_dir() / "tokenizer.json").is_file(),
+                    reason="the embedded model's tokenizer is missing: run launch/setup_env.sh")
+@pytest.mark.parametrize("bench", sorted(CASES))
+def test_bench_smoke(bench):
+    argv, expect, timeout = CASES[bench]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{bench}.py"), *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n" + out[-4000:] + proc.stderr[-4000:]
+    missing = [e for e in expect if e not in out]
+    assert not missing, f"report lacks {missing}:\n{out[-4000:]}"
+    assert out.rstrip().splitlines()[-1] == "smoke ok", out[-2000:]
+    print(f"{bench} --smoke: {time.perf_counter() - t0:.1f} s")
