@@ -27,6 +27,9 @@ CASES = {
     "policy_bench": (["--smoke"], ["batch: 4 x 32 tokens", "megatron-rl ", "hf+adamw ", "ratio "], 300),
     "shared_prefix_bench": (["--smoke"], ["padded ", "shared (mask) ", "varlen ", "varlen + cascade ",
                                           "lm_head everywhere"], 300),
+    # one dtype here: the bf16 column runs the very same three processes again (--smoke alone runs both: 90 s of
+    # CPU on 2 cores, the `slow` case below)
+    "phase_limits": (["--smoke", "--dtypes", "fp32"], ["fp32 matmul GFLOP/s", "decode tok/s"], 400),
 }
 
 
