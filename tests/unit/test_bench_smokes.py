@@ -30,6 +30,8 @@ CASES = {
     # one dtype here: the bf16 column runs the very same three processes again (--smoke alone runs both: 90 s of
     # CPU on 2 cores, the `slow` case below)
     "phase_limits": (["--smoke", "--dtypes", "fp32"], ["fp32 matmul GFLOP/s", "decode tok/s"], 400),
+    "refit_bench": (["--smoke"], ["refit median after the first", "collective refit median after the first",
+                                  "vLLM generate (1 thread(s))", "transformers generate (1 thread(s))"], 400),
     # TRL comes from launch/requirements-cpu.lock: a missing TRL fails here (exit 3) rather than skipping
     "grpo_vs_trl": (["--smoke"], ["TRL GRPOTrainer", "megatron-rl", "speed-up per step (TRL / megatron-rl)",
                                   "prompt token ids identical to ours: 4/4"], 600),
