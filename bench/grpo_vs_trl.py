@@ -305,18 +305,18 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(r))
         return 0
 
+    tmp = tempfile.TemporaryDirectory()
+    if args.smoke:
+        from smoke_model import tiny_model
+
+        args.steps, args.warmup, args.trl_micro_batch, args.only = 1, 0, 4, None  # both sides
+        args.model = args.model or str(tiny_model(Path(tmp.name)))
     if args.only != "ours":
         try:
             import trl  # noqa: F401  (fail before spending minutes on our side)
         except ImportError:
             print(TRL_MISSING, file=sys.stderr)
             return 3
-    tmp = tempfile.TemporaryDirectory()
-    if args.smoke:
-        from smoke_model import tiny_model
-
-        args.steps, args.warmup, args.trl_micro_batch, args.only = 1, 0, 4, None
-        args.model = args.model or str(tiny_model(Path(tmp.name)))
     load_before = load_line()
     raw = {side: run_side(side, args) for side in ("trl", "ours") if args.only in (None, side)}
     load_after = load_line()

@@ -12,7 +12,8 @@ Generation: vLLM vs transformers `generate` on the same prompts (P prompts x N s
 --smoke: every part (shared-memory refits, collective refits, vLLM and transformers generate) on a tiny random
 Llama (bench/smoke_model.py): 2 refits of each kind (the medians skip the first), 2 prompts x 2 samples x 4 tokens,
 1 thread; exits non-zero unless each part ran and the engine's greedy tokens after the refits (which send it the
-weights it started with) are the ones before them, printing the same report (CI runs it: tests/unit/test_bench_smokes.py).
+weights it started with) are the ones before them, printing the same report (CI runs it:
+tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
