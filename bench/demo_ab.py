@@ -4,6 +4,7 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare precision [--steps 6] [--warmup 1] [key=value overrides ...]
     .venv/bin/python bench/demo_ab.py --compare async ...
     .venv/bin/python bench/demo_ab.py --compare packing ...
+    .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
 override turns it on (`grpo.val_every=10`: then each run's learning curve is printed by step and by minute).
@@ -17,6 +18,10 @@ override turns it on (`grpo.val_every=10`: then each run's learning curve is pri
   through megatron's unfused attention (policy.packing=none) vs one packed THD row per micro-batch with cascade
   attention on torch's fused kernel (policy.packing=varlen); also shows what each does to the generator/trainer
   mismatch metrics.
+--smoke: both variants of --compare for one step each (no warm-up dropped) through the same `build.run` on a tiny
+random Llama (bench/smoke_model.py), 2 prompts x 2 generations of 4 new tokens; prints the same table and exits
+non-zero unless each run trained its step (tests/unit/test_bench_smokes.py runs it when asked, `-m slow`: two
+full Ray + vLLM + Megatron start-ups).
 """
 from __future__ import annotations
 
@@ -62,8 +67,17 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", choices=sorted(COMPARISONS), default="precision")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    ap.add_argument("--smoke", action="store_true", help="one tiny step per variant on a tiny random model")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    tiny = tempfile.TemporaryDirectory()
+    if args.smoke:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from smoke_model import tiny_model
+
+        args.steps, args.warmup = 1, 0
+        args.overrides = [f"policy.model={tiny_model(Path(tiny.name))}", "grpo.num_prompts_per_step=2",
+                          "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", *args.overrides]
     keys = ("time_step_s", "time_generate_s", "time_train_s", "time_logprobs_s", "time_refit_s",
             "time_handover_s", "time_wait_rollout_s", "generate_flops_per_s", "train_flops_per_s", "tokens_per_s",
             "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error")
@@ -88,6 +102,11 @@ def main(argv=None) -> int:
     (a_name, a), (b_name, b) = rows.items()
     print(f"{b_name} vs {a_name}: step time {a['time_step_s'] / b['time_step_s']:.2f}x faster, "
           f"tokens/s {b['tokens_per_s'] / a['tokens_per_s']:.2f}x, wall {a['wall_s'] / b['wall_s']:.2f}x")
+    if args.smoke:
+        # build.run returning 0 is asserted in run_mode; here: each run logged its step and trained sequences
+        bad = [n for n, r in rows.items() if not r["num_sequences_trained"] > 0 or not r["time_step_s"] > 0]
+        print(f"smoke FAILED: {bad}" if bad else "smoke ok")
+        return 1 if bad else 0
     return 0
 
 

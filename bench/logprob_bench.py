@@ -3,6 +3,11 @@
     python bench/logprob_bench.py                         # 8192 tokens x 152064 vocab, bf16 (Qwen-size vocab)
     python bench/logprob_bench.py --tokens 2048 --backward
     python bench/logprob_bench.py --peak-bw-gbs 4800      # on a GPU: report achieved bandwidth vs this peak
+    python bench/logprob_bench.py --smoke                 # CI: 256 tokens x 4096 vocab, fp32, CPU, fwd + bwd
+
+--smoke runs the default variants (naive, fused, fused_ent) forward + backward once, each in its own subprocess
+as above, on CPU at tiny shapes, prints the table and exits non-zero unless every variant ran (CI runs it:
+tests/unit/test_bench_smokes.py).
 
 Every variant runs in a fresh subprocess so that its memory high-water mark is its own:
   * CPU: peak RSS (getrusage ru_maxrss) after the variant minus the RSS high-water right after the inputs were
@@ -104,15 +109,22 @@ def main() -> None:
     p.add_argument("--impl", default=None, choices=[None, "triton", "torch"], help="force the fused impl")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is available")
     p.add_argument("--peak-bw-gbs", type=float, default=4800.0, help="device memory bandwidth, GB/s (H200 ~4800)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU shapes, fail if a variant did not run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.smoke:
+        args.tokens, args.vocab, args.dtype, args.repeat, args.backward, args.cpu = 256, 4096, "fp32", 1, True, True
 
     if args.child:
         args.variant = args.child
         print("RESULT " + json.dumps(_child(args)))
         return
 
-    passthrough = [a for a in sys.argv[1:]]
+    # the child re-parses the parent's arguments: pass the resolved values, not --smoke
+    passthrough = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--dtype={args.dtype}",
+                   f"--temperature={args.temperature}", f"--repeat={args.repeat}", f"--peak-bw-gbs={args.peak_bw_gbs}",
+                   *(["--backward"] if args.backward else []), *(["--cpu"] if args.cpu else []),
+                   *([f"--impl={args.impl}"] if args.impl else [])]
     print(f"tokens={args.tokens} vocab={args.vocab} dtype={args.dtype} T={args.temperature} "
           f"{'forward+backward' if args.backward else 'forward'}; logits "
           f"{args.tokens * args.vocab * {'fp32': 4}.get(args.dtype, 2) / 2**30:.2f} GiB")
@@ -138,6 +150,12 @@ def main() -> None:
         print(f"{r['variant']:<10} {r['impl']:<7} {r['device']:<7} {r['peak_extra_bytes'] / 2**30:>7.3f} GiB "
               f"{r['peak_extra_bytes'] / r['logits_bytes']:>9.3f} {best:>8.3f} {gbs:>8.1f} {bw}  "
               f"{VARIANTS[r['variant']]}")
+    missing = sorted(set(args.variants.split(",")) - {r["variant"] for r in rows})
+    if missing:
+        print(f"FAILED: {', '.join(missing)} did not run")
+        sys.exit(1)
+    if args.smoke:
+        print("smoke ok")
 
 
 if __name__ == "__main__":

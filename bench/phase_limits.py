@@ -1,6 +1,12 @@
 """Each GRPO phase's achieved FLOP/s as a fraction of this machine's matmul rate, fp32 and bf16 side by side.
 
     .venv/bin/python bench/phase_limits.py [--threads 2] [--seqs 16 --len 128 --prompt 100] [--gen-prompt-len 137]
+        [--smoke]
+
+--smoke: every part for fp32 and bf16 on a tiny random Llama (bench/smoke_model.py) at tiny shapes (4 x 32
+training tokens; 2 prompts of 20 tokens x 2 samples x 16 new tokens); exits non-zero unless every part of both
+dtypes ran and gave a rate (positive but for decode, the difference of two timed calls); CI runs it:
+tests/unit/test_bench_smokes.py.
 
 Measured in one run, each part in its own fresh process (one at a time: they never share cores):
 - the limit: the best torch matmul rate over GEMM shapes this model runs ([tokens, 576] x [576, 1536] and the
@@ -115,7 +121,16 @@ def main(argv=None) -> int:
     # the demo's prompts: 1,094 tokens over 8 prompts (configs/demo_cpu.yaml's few-shot chat prompt)
     ap.add_argument("--gen-prompt-len", type=int, default=137)
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model at tiny shapes, both dtypes")
     a = ap.parse_args(argv)
+    if a.smoke:
+        import tempfile
+
+        from smoke_model import tiny_model
+
+        tmp = tempfile.TemporaryDirectory()
+        a.model = str(tiny_model(Path(tmp.name)))
+        a.seqs, a.len, a.prompt, a.gen_prompts, a.gen_n, a.gen_tokens, a.gen_prompt_len = 4, 32, 24, 2, 2, 16, 20
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     n_mm = matmul_params_of(a.model)
     tokens = a.seqs * a.len
@@ -154,6 +169,17 @@ def main(argv=None) -> int:
         f, b = rows["fp32"], rows["bf16"]
         print(f"{'bf16/fp32':10}{b['peak'] / f['peak']:13.2f}x" + "".join(f"{b[c] / f[c]:15.2f}x" for c in cols) +
               f"{b['decode_tok_s'] / f['decode_tok_s']:13.2f}x")
+    if a.smoke:
+        # decode is a difference of two timed calls: at 16 tokens on a busy machine it can come out at or below
+        # zero, so it only has to be a number (both calls ran); every other part must have measured a rate
+        import math
+
+        bad = [f"{dt} {c}" for dt in a.dtypes.split(",") for c in ("peak", *cols)
+               if dt not in rows or not (math.isfinite(rows[dt][c]) if c == "decode" else rows[dt][c] > 0)]
+        if bad:
+            print(f"smoke FAILED: {bad}")
+            return 1
+        print("smoke ok")
     return 0
 
 

@@ -1,7 +1,11 @@
 """The planner's step-time estimate against NeMo-RL's published GRPO figures (performance summaries of v0.4, v0.5 and
 v0.6, DGX-H100, BF16, Megatron-core training, OpenMathInstruct-2), synchronous and one-step-off-policy (async).
 
-    python bench/plan_vs_nemo_rl.py
+    python bench/plan_vs_nemo_rl.py [--smoke]
+
+--smoke: the same full table (the planner is analytic: the whole run takes seconds); exits non-zero unless every run
+got an estimate at NeMo-RL's own layout and a planner's best, each a finite positive step time (CI runs it:
+tests/unit/test_bench_smokes.py).
 
 NeMo-RL's dense runs: 2,048 sequences per step (T-GBS 512: 4 optimizer steps), max 4,096 tokens, a KL reference model
 (reference_policy_kl_penalty > 0 in its GRPO recipes) and the previous-policy logprobs recomputed every step: two
@@ -120,7 +124,13 @@ def async_speedup(table: list[dict]) -> dict:
     return {"published": sync["pub_step_s"] / off["pub_step_s"], "estimated": sync["step_s"] / off["step_s"]}
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+    import math
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="fail unless every row got an estimate")
+    args = ap.parse_args(argv)
     table = rows()
     lines = [("run", "layout", "step s: est / published", "tokens/s/GPU: est / pub", "phases (s)")]
     for r in table:
@@ -138,6 +148,14 @@ def main() -> int:
     s = async_speedup(table)
     print(f"one-step-off speed-up (v0.4 Llama-3.1-8B, on-policy step / async step): published "
           f"{s['published']:.2f}x, planner {s['estimated']:.2f}x")
+    if args.smoke:
+        # a planner change that drops a layout (no longer fits) or breaks the cost model must fail CI
+        bad = [f"{r['release']} {r['model']} {r['which']}" for r in table
+               if "note" in r or not (math.isfinite(r["step_s"]) and r["step_s"] > 0)]
+        if bad or len(table) != 2 * len(NEMO_RL):
+            print(f"smoke FAILED: no estimate for {bad or 'some runs'}")
+            return 1
+        print("smoke ok")
     return 0
 
 

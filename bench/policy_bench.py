@@ -2,17 +2,22 @@
 
 Same model (SmolLM2-135M-Instruct, fp32), same batch, same thread count, measured side by side in one run:
 
-    .venv/bin/python bench/policy_bench.py [--seqs 16 --len 128 --steps 3 --threads 2]
+    .venv/bin/python bench/policy_bench.py [--seqs 16 --len 128 --steps 3 --threads 2] [--smoke]
 
 Each side runs in its own fresh process (one at a time, so they never share cores); the first step is warm-up and
-the median of the rest is reported as tokens/s.
+the median of the rest is reported as tokens/s. --smoke: both sides on a tiny random Llama (bench/smoke_model.py),
+4 x 32 tokens, 2 steps (one warm-up, one measured); a side that fails raises, so the bench exits non-zero; prints
+the same table and `smoke ok` (CI runs it: tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -98,7 +103,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=100)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model, 4 x 32 tokens, 2 steps")
     a = ap.parse_args()
+    tmp = tempfile.TemporaryDirectory()
+    if a.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from smoke_model import tiny_model
+
+        a.model, a.seqs, a.len, a.prompt, a.steps = str(tiny_model(Path(tmp.name))), 4, 32, 24, 2
     args = (a.model, a.seqs, a.len, a.prompt, a.steps, a.threads)
     tokens = a.seqs * a.len
     rows = {}
@@ -111,6 +123,8 @@ def main() -> None:
         print(f"{name:14}{lp:15.0f}{tr:14.0f}")
     m, h = rows["megatron-rl"], rows["hf+adamw"]
     print(f"{'ratio':14}{m[0] / h[0]:15.2f}{m[1] / h[1]:14.2f}")
+    if a.smoke:
+        print("smoke ok")
 
 
 if __name__ == "__main__":

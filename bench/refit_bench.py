@@ -7,7 +7,13 @@ receives all of it, then loads), next to the same baselines.
 Generation: vLLM vs transformers `generate` on the same prompts (P prompts x N samples x L new tokens, T=1).
 
     .venv/bin/python bench/refit_bench.py [--model DIR] [--refits 3] [--bucket-mb 128] [--prompts 8 --samples 8
-                                           --tokens 32] [--threads 1 2] [--skip-hf]
+                                           --tokens 32] [--threads 1 2] [--skip-hf] [--smoke]
+
+--smoke: every part (shared-memory refits, collective refits, vLLM and transformers generate) on a tiny random
+Llama (bench/smoke_model.py): 2 refits of each kind (the medians skip the first), 2 prompts x 2 samples x 4 tokens,
+1 thread; exits non-zero unless each part ran and the engine's greedy tokens after the refits (which send it the
+weights it started with) are the ones before them, printing the same report (CI runs it:
+tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
@@ -150,7 +156,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads to try for vLLM (generation.threads) and transformers")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers generate baseline")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 refits, 2 x 2 x 4 tokens")
     args = ap.parse_args(argv)
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory()
+    if args.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from smoke_model import tiny_model
+
+        args.model = str(tiny_model(Path(tmp.name)))
+        args.refits, args.prompts, args.samples, args.tokens, args.threads, args.skip_hf = 2, 2, 2, 4, [1], False
+    done = set()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -172,6 +189,9 @@ def main(argv=None) -> int:
     gen = VLLMGenerator(cfg, args.model, max_model_len=max_len, seed=0)
     print(f"engine start {gen.startup_s:.1f} s")
     try:
+        if args.smoke:
+            before = list(gen.generate(prompts[:1], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4,
+                                       seed=0).token_ids[0])
         rows = []
         for v in range(1, args.refits + 1):
             st = gen.update_weights(export_buckets(hf, args.bucket_mb * 2**20), version=v)
@@ -188,6 +208,7 @@ def main(argv=None) -> int:
               f"{med['refit_s'] / cold:.1f}x fresh-buffer memcpy; transport alone (shm write + checks) "
               f"{transport:.3f} s = {transport / warm:.1f}x warm / {transport / cold:.1f}x fresh; "
               f"engine load+re-pack {med['reload_s']:.3f} s")
+        done.add("shm refit")
 
         crow = collective_refits(gen, args.model, args.bucket_mb * 2**20, args.refits, args.refits + 1)
         for v, r in enumerate(crow, start=args.refits + 1):
@@ -197,6 +218,7 @@ def main(argv=None) -> int:
         cmed = statistics.median(r["refit_s"] for r in crow[1:] or crow)
         print(f"collective refit median after the first {cmed:.3f} s: {cmed / warm:.1f}x warm memcpy, "
               f"{cmed / cold:.1f}x fresh-buffer memcpy, {cmed / med['refit_s']:.2f}x the shared-memory refit")
+        done.add("collective refit")
 
         total_tokens = args.prompts * args.samples * args.tokens
         for threads in args.threads:
@@ -208,7 +230,15 @@ def main(argv=None) -> int:
             dt = time.perf_counter() - t0
             print(f"vLLM generate ({threads} thread(s)): {res.num_generated_tokens} tokens in {dt:.2f} s = "
                   f"{res.num_generated_tokens / dt:.0f} tok/s (requested {total_tokens}; EOS ends some early)")
+            done.add("vllm generate")
         gen.config.threads = None
+        if args.smoke:
+            # every refit sent the engine the weights it started with: its greedy tokens must not have moved (a
+            # broken reload gives other tokens)
+            after = gen.generate(prompts[:1], n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4, seed=0)
+            print(f"greedy tokens before the refits {before}, after {list(after.token_ids[0])}")
+            if before and list(after.token_ids[0]) == before:
+                done.add("refit exact")
     finally:
         gen.shutdown()
 
@@ -217,6 +247,11 @@ def main(argv=None) -> int:
             torch.set_num_threads(threads)
             tps, dt = hf_generate_tokens_per_s(hf, tok, prompts, args.samples, args.tokens)
             print(f"transformers generate ({threads} thread(s)): {tps:.0f} tok/s ({dt:.1f} s)")
+        done.add("hf generate")
+    if args.smoke:
+        missing = {"shm refit", "collective refit", "vllm generate", "hf generate", "refit exact"} - done
+        print(f"smoke FAILED: {sorted(missing)}" if missing else "smoke ok")
+        return 1 if missing else 0
     return 0
 
 

@@ -15,7 +15,11 @@ response predictions (`model_hooks.install_logit_window`).
 
     .venv/bin/python bench/shared_prefix_bench.py [--shape grpo|deepscaler] [--model DIR] [--groups 8
         --completions 8 --prompt 100 --completion 12 --long 160 --budget 4096] [--reps 2] [--threads 2] [--full-logits]
-        [--precision auto|fp32|bf16]
+        [--precision auto|fp32|bf16] [--smoke]
+
+--smoke: every layout (and the --full-logits row) on a tiny random Llama (bench/smoke_model.py), 2 groups x 2
+completions, one timed rep, fp32; exits non-zero unless each layout trained and its logprobs match the padded
+layout's (same math in fp32: |dlp| < 1e-4); prints the same table (CI runs it: tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
@@ -135,7 +139,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--full-logits", action="store_true")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="policy.precision")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 x 2 completions, one rep")
     a = vars(ap.parse_args())
+    tmp = None
+    if a["smoke"]:
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from smoke_model import tiny_model
+
+        tmp = tempfile.TemporaryDirectory()
+        a.update(model=str(tiny_model(Path(tmp.name))), groups=2, completions=2, prompt=16, completion=6, reps=1,
+                 precision="fp32", full_logits=True, budget=a["budget"] or 256)
     deep = a["shape"] == "deepscaler"
     # deepscaler's defaults keep a step on 2 CPU cores near 10 s and the process under ~4 GB
     for k, grpo, ds in (("groups", 8, 2), ("completions", 8, 6), ("prompt", 100, 48), ("completion", 12, 20),
@@ -160,6 +175,12 @@ def main() -> None:
         print(f"{m:<36} {t['fed']:>10} {t['padding']:>8.1%} {t['microbatches']:>4} {min(tr):>9.2f}s "
               f"{statistics.median(tr):>6.2f}s {base / min(tr):>7.2f}x {min(r['logprobs_s'][m]):>7.2f}s "
               f"{r['lp_diff'][m]:>8.1e}")
+    if a["smoke"]:
+        bad = [m for m in LAYOUTS if m not in r["train_s"] or not r["train_s"][m] or not r["lp_diff"][m] < 1e-4]
+        if bad:
+            print(f"smoke FAILED: {bad}")
+            sys.exit(1)
+        print("smoke ok")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ the parent judges what was left behind. Printed:
     .venv/bin/python bench/soak.py                       # 300 steps, checkpoint every 20 (a few minutes on 2 cores)
     .venv/bin/python bench/soak.py --steps 40 --ckpt-every 10 --warmup 15 --window 10 [--json out.json]
 
-tests/integration/test_faults.py runs a short version and asserts growth < 5 % and no leaked files.
+    .venv/bin/python bench/soak.py --smoke               # 3 steps, checkpoint every 2: the path, not the figures
+
+tests/integration/test_faults.py runs a short version and asserts growth < 5 % and no leaked files. --smoke runs
+the same child and judge for 3 steps (one warm-up, windows of 1, a checkpoint at step 2) and prints the report;
+it exits non-zero if the run failed, left files or processes behind, or kept no checkpoint (tests/unit/
+test_bench_smokes.py runs it when asked, `-m slow`: test_faults.py already pays for this path in the default suite).
 """
 from __future__ import annotations
 
@@ -206,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="HF model folder (default: a generated tiny Llama)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"], help="policy.precision")
+    ap.add_argument("--smoke", action="store_true", help="3 steps: fail on leaks, processes left, no checkpoint")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.steps, a.ckpt_every, a.warmup, a.window = 3, 2, 1, 1
     if a.child:
         res = _child(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, a.precision)
         a.json.write_text(json.dumps(res, indent=2))
@@ -217,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     print(report(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
+    if a.smoke:
+        bad = {k: res[k] for k in ("num_leaked_files", "processes_left") if res[k]}
+        if not res["checkpoints"]:
+            bad["checkpoints"] = res["checkpoints"]
+        print(f"smoke FAILED: {bad}" if bad else "smoke ok")
+        return 1 if bad else 0
     return 0
 
 
