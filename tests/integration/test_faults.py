@@ -242,7 +242,7 @@ def test_disk_full_while_checkpointing_clear_error_previous_intact(chain):
             rc = run.wait(timeout=400)
             assert rc != 0, run.tail()
             last = run.stderr.strip().splitlines()[-1]  # the line a user reads
-            assert last.startswith(f"megatron_rl.algorithms.grpo.CheckpointSaveError: saving checkpoint "
+            assert last.startswith(f"megatron_rl.algorithms.trainer.CheckpointSaveError: saving checkpoint "
                                    f"{chain.root / NEXT} failed: "), run.tail()
             # the writer's own words vary with the file that hits the limit ("[Errno 28] No space left on device",
             # or torch's zip writer's "unexpected pos"): the loop names the full filesystem either way
