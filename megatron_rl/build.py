@@ -108,6 +108,8 @@ def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
 
     world = layout_of(cfg).policy.world_size
     placement, policy, _ = start_policy(cfg, out_dir, world, world, 1.0, data.max_steps)
+    # no generator: nothing sleeps, wakes, offloads or refits; the trainer holds its devices throughout, the same
+    # code on CPU and GPU (tests/integration/test_sft_dpo_cli.py runs it, DPO at DP = 2 included)
     handover = Handover(policy, None, colocated=False, bucket_bytes=BUCKET_BYTES,
                         sleep_level=cfg.generation.sleep_level)
     return Components(policy, None, tok, data.stream, [], None, placement, resolve_model_dir(cfg.policy.model),
