@@ -1,11 +1,15 @@
 """pass@1 / pass@k with the same generator and verifier as training.
 
-    megatron-rl eval --model DIR [--config YAML] [--data TASK | --jsonl FILE] [--n K] [--num-prompts N] [a.b=c ...]
+    megatron-rl eval --model DIR [--config YAML] [--data TASK | --jsonl FILE] [--n K] [--num-prompts N]
+                     [--split val|train] [--samples-out FILE] [a.b=c ...]
 
 pass@1 is the mean score over all n samples of every prompt (an unbiased estimate of single-sample accuracy);
 pass@k is the fraction of prompts with at least one correct sample among the k drawn. With `environment.cls` a
 sample is a whole multi-turn episode against the environment, correct when its reward reaches 1.0, and the result
 also says how the episodes went (turns_mean, tool_calls_mean, env_errors).
+
+--samples-out writes every sample, one JSON line each, with its prompt as a conversation: the input of rejection
+sampling (`megatron_rl/data/rejection_sampling.py` turns it into SFT examples and DPO pairs).
 """
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import time
 
 
 def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: float, top_p: float, max_tokens: int,
-             version: int | None = None, seed: int = 0, keep: int = 0, env_pool=None, cfg=None) -> dict:
+             version: int | None = None, seed: int = 0, keep: int = 0, env_pool=None, cfg=None,
+             every_sample: bool = False) -> dict:
     """keep: also return the first `keep` items' first samples as samples.jsonl records (step 0: the caller's).
-    env_pool (with cfg, whose environment section it runs): multi-turn episodes instead of single completions."""
+    env_pool (with cfg, whose environment section it runs): multi-turn episodes instead of single completions.
+    every_sample: also return every sample as a `sample_row` under "rows" (single-turn only)."""
     if env_pool is not None:
         return _evaluate_episodes(generator, items, env_pool, tokenizer, cfg, n=n, temperature=temperature,
                                   top_p=top_p, version=version, keep=keep)
@@ -40,7 +46,22 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
         firsts = [(i, res.for_prompt(i)[0]) for i in range(min(keep, len(items)))]
         out["samples"] = [sample_record(0, "val", i, 0, items[i], texts[k], answers[k], rewards[k],
                                         res.finish_reasons[k]) for i, k in firsts]
+    if every_sample:
+        answers = stats.get("answers") or [None] * len(texts)
+        out["rows"] = [sample_row(items[i], i, j, texts[k], answers[k], rewards[k], res.finish_reasons[k], cfg)
+                       for i in range(len(items)) for j, k in enumerate(res.for_prompt(i))]
     return out
+
+
+def sample_row(item, index: int, sample: int, completion: str, answer, reward: float, finish, cfg) -> dict:
+    """One --samples-out line. `prompt` is the conversation the model answered (system prompt and few-shot
+    examples included), in the form `megatron-rl sft`/`dpo` read back, so a kept sample trains on the same
+    prompt tokens it was sampled from."""
+    from megatron_rl.data.prompts import build_messages
+
+    prompt = item.problem if isinstance(item.problem, list) else build_messages(item.problem, cfg.data)
+    return {"index": index, "sample": sample, "prompt": prompt, "completion": completion, "answer": answer,
+            "reference": item.answer, "reward": float(reward), "finish_reason": finish, "source": item.source}
 
 
 def _evaluate_episodes(generator, items, env_pool, tokenizer, cfg, *, n: int, temperature: float, top_p: float,
@@ -85,17 +106,21 @@ config keys it reads (from --config, else the schema's defaults; then the overri
   environment.*                              multi-turn episodes against an environment (environment.cls), scored
                                              by its reward instead of the verifier
 The held-out prompts are the validation split (data.val_seed, or data.val_path). The result is JSON: val_accuracy
-(pass@1), val_pass_at_k, val_k, val_num_prompts, val_samples (a few completions) and seconds.
+(pass@1), val_pass_at_k, val_k, val_num_prompts, val_samples (a few completions) and seconds. --split train
+samples the training prompts instead (data.train_seed, or data.path): what rejection sampling needs.
 
 examples:
   megatron-rl eval --model runs/demo_cpu/hf --config configs/demo_cpu.yaml --n 4 --num-prompts 64
-  megatron-rl eval --model MODEL_DIR --jsonl problems.jsonl --n 8 --out result.json generation.max_new_tokens=1024"""
+  megatron-rl eval --model MODEL_DIR --jsonl problems.jsonl --n 8 --out result.json generation.max_new_tokens=1024
+  megatron-rl eval --model default --config configs/demo_cpu.yaml --split train --n 8 --num-prompts 256 \
+      --samples-out samples.jsonl       # then: python -m megatron_rl.data.rejection_sampling samples.jsonl ..."""
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="HF model folder (e.g. the output of convert megatron-to-hf)")
+    ap.add_argument("--model", required=True, help="HF model folder (e.g. the output of convert megatron-to-hf; "
+                    "\"default\": the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--config", default=None, help="YAML whose data/reward/generation sections to use")
     ap.add_argument("--data", default=None, help="reasoning-gym task name (overrides the config)")
     ap.add_argument("--jsonl", default=None, help="JSONL file with problem/answer (overrides --data)")
@@ -104,6 +129,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=None,
                     help="sampling temperature (default: generation.temperature)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
+    ap.add_argument("--split", choices=("val", "train"), default="val",
+                    help="the prompts: the held-out split (default) or the training split")
+    ap.add_argument("--samples-out", default=None,
+                    help="write every sample here, one JSON line each (prompt conversation, completion, reward)")
     ap.add_argument("overrides", nargs="*", help="config overrides key.path=value")
     args = ap.parse_args(argv)
 
@@ -120,7 +149,16 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    result = evaluate_model(cfg, args.model, n=args.n, num_prompts=args.num_prompts, temperature=args.temperature)
+    if args.samples_out and cfg.environment.cls is not None:
+        print("config error: --samples-out writes single-turn samples; environment.cls is set", file=sys.stderr)
+        return 2
+    result = evaluate_model(cfg, args.model, n=args.n, num_prompts=args.num_prompts, temperature=args.temperature,
+                            split=args.split, every_sample=bool(args.samples_out))
+    if args.samples_out:
+        rows = result.pop("rows")
+        with open(args.samples_out, "w") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        result["samples_out"] = args.samples_out
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -139,16 +177,22 @@ def eval_overrides(model: str, *, data: str | None = None, jsonl: str | None = N
     return out
 
 
-def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: float | None = None) -> dict:
-    """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data`, with an in-process engine
-    (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
+def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: float | None = None,
+                   split: str = "val", every_sample: bool = False) -> dict:
+    """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data` (split="train": its
+    training prompts), with an in-process engine (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
     from megatron_rl.generation import build_engine
-    from megatron_rl.data.datasets import load_dataset
+    from megatron_rl.data.datasets import DataError, load_dataset
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.rewards.reward_fn import RewardFn
 
+    from megatron_rl.config.loader import resolve_model_dir
+
+    model = str(resolve_model_dir(model))  # "default": the embedded model, as in training
     tok = load_tokenizer(cfg.policy.tokenizer or model)
-    ds = load_dataset(cfg.data, tok, "val", size=num_prompts)
+    ds = load_dataset(cfg.data, tok, split, size=num_prompts)
+    if ds is None:
+        raise DataError("data.val_path is not set: there are no held-out prompts to evaluate")
     items = [it for it in (ds.item(i) for i in range(min(num_prompts, len(ds)))) if it is not None]
     reward_fn = RewardFn(cfg.reward, cfg.data.source)
     env_pool = None
@@ -162,7 +206,7 @@ def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: fl
         result = evaluate(gen, items, reward_fn, tok, n=n,
                           temperature=temperature if temperature is not None else cfg.generation.temperature,
                           top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens, env_pool=env_pool,
-                          cfg=cfg)
+                          cfg=cfg, every_sample=every_sample)
     finally:
         gen.shutdown()
         reward_fn.close()

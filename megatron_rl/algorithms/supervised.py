@@ -22,8 +22,10 @@ from megatron_rl.data.datasets import DataError
 from megatron_rl.platform import device_telemetry
 
 # the metrics a DPO step reports beside loss, grad_norm, lr and the counts (TRL's names, snake_case)
+# logps_accuracy: the fraction of pairs whose chosen response the policy itself gives the higher logprob; unlike
+# rewards_accuracy it is defined before training (the reference's own preference), so held-out pairs show what DPO changed
 DPO_METRICS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen",
-               "logps_rejected", "sft_loss")
+               "logps_rejected", "logps_accuracy", "sft_loss")
 
 
 def section(cfg: Config):
@@ -127,7 +129,7 @@ class Supervised(Algorithm):
             self._val_ref = self.c.policy.reference_logprobs(batch, 1.0)
         loss, metrics = self.loss_fn(batch_inputs(batch, lps, self._val_ref))
         out = {"val_loss": float(loss)}
-        out.update({f"val_{k}": float(v) for k, v in metrics.items() if k.startswith("rewards_")})
+        out.update({f"val_{k}": float(v) for k, v in metrics.items() if k.startswith(("rewards_", "logps_"))})
         out["time_since_start_s"] = time.monotonic() - self.t_start
         return out
 

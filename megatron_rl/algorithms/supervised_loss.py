@@ -15,7 +15,8 @@ mean with `average_logprobs`) and ref the frozen reference's:
     + sft_loss_weight x the chosen response's token-mean NLL (RPO)
 and the batch loss is the mean over pairs. Metrics (means over pairs, as TRL names them): rewards_chosen =
 beta (log pi(y_w) - log ref(y_w)), rewards_rejected likewise, rewards_margin their difference, rewards_accuracy the
-fraction with chosen > rejected, logps_chosen / logps_rejected the policy's log pi(y).
+fraction with chosen > rejected, logps_chosen / logps_rejected the policy's log pi(y), logps_accuracy the fraction
+with log pi(y_w) > log pi(y_l) (the policy's own preference, defined before training too).
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def dpo_loss(logprobs, ref_logprobs, mask, seq_ids, seqs, groups, roles, *, cfg:
     mean = lambda v: v.sum() / num_global_pairs  # noqa: E731  (summed over micro-batches and ranks by the worker)
     metrics.update(loss=loss.detach(), rewards_chosen=mean(rc), rewards_rejected=mean(rr),
                    rewards_accuracy=mean((rc > rr).to(rc.dtype)), rewards_margin=mean(rc - rr),
-                   logps_chosen=mean(lp[c].detach()), logps_rejected=mean(lp[r].detach()))
+                   logps_chosen=mean(lp[c].detach()), logps_rejected=mean(lp[r].detach()),
+                   logps_accuracy=mean((lp[c] > lp[r]).detach().to(rc.dtype)))
     return loss, metrics
 
 

@@ -30,7 +30,7 @@ PLOTS = [
 SUPERVISED_PLOTS = [
     ("loss", ["loss", "val_loss"]),
     ("DPO rewards (beta x log-ratio)", ["rewards_chosen", "rewards_rejected", "rewards_margin"]),
-    ("DPO preference accuracy", ["rewards_accuracy", "val_rewards_accuracy"]),
+    ("DPO preference accuracy", ["rewards_accuracy", "val_rewards_accuracy", "val_logps_accuracy"]),
     ("seconds per step", ["time_logprobs_s", "time_train_s", "time_step_s"]),
 ]
 

@@ -83,13 +83,15 @@ def test_dpo_two_steps_at_dp2(model, tmp_path):
     assert not list((out / "logs").glob("generator-*"))  # no engine was started
     recs = records(out)
     keys = {"loss", "grad_norm", "tokens_per_s", "rewards_chosen", "rewards_rejected", "rewards_accuracy",
-            "rewards_margin", "logps_chosen", "logps_rejected", "sft_loss", "time_logprobs_s"}
+            "rewards_margin", "logps_chosen", "logps_rejected", "logps_accuracy", "sft_loss", "time_logprobs_s"}
     for s in (1, 2):
         assert keys <= set(recs[s]), keys - set(recs[s])
     # step 1's forward runs on the initial weights, which are the reference: h = 0, the loss is log 2 + the NLL term
     assert recs[1]["rewards_margin"] == 0.0 and recs[1]["loss"] == pytest.approx(0.6931 + 0.1 * recs[1]["sft_loss"],
                                                                                    abs=1e-3)
     assert recs[2]["val_rewards_accuracy"] >= 0.0 and "val_loss" in recs[0]
+    # before any update the policy is the reference: no implicit reward yet, but its own preference is defined
+    assert recs[0]["val_rewards_margin"] == 0.0 and 0.0 <= recs[0]["val_logps_accuracy"] <= 1.0
 
 
 @pytest.mark.parametrize("algo,line,field", [

@@ -1,7 +1,7 @@
 """Every bench's --smoke, each in its own process: its real code path at tiny shapes, one step/rep, through the
 bench's own report. A bench whose side fails to run exits non-zero, so an API change that breaks a bench fails here.
 
-(multiturn_bench.py, sandbox_bench.py, tool_demo.py and code_tests_bench.py have their own test_bench_*.py; the
+(multiturn_bench.py, sandbox_bench.py, tool_demo.py, sft_dpo_demo.py and code_tests_bench.py have their own test_bench_*.py; the
 GPU check's --dry-run is tests/unit/test_gpu_check.py.) Each case: the bench's argv, lines its report must print
 (substrings), and a timeout well above its wall time on 2 busy cores.
 """
@@ -35,6 +35,8 @@ CASES = {
     # TRL comes from launch/requirements-cpu.lock: a missing TRL fails here (exit 3) rather than skipping
     "grpo_vs_trl": (["--smoke"], ["TRL GRPOTrainer", "megatron-rl", "speed-up per step (TRL / megatron-rl)",
                                   "prompt token ids identical to ours: 4/4"], 600),
+    "sft_dpo_vs_trl": (["--smoke"], ["TRL SFTTrainer", "TRL DPOTrainer", "sft: tokens/s ratio", "dpo: tokens/s ratio",
+                                     "sft: TRL's tokens per step", "identical"], 600),
 }
 # Opt-in (`-m slow`): several minutes of start-ups between them on 2 cores, and their paths are paid for elsewhere in
 # the default suite (the soak's child and judge by tests/integration/test_faults.py; demo_ab's build.run by every

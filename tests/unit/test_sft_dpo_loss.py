@@ -95,6 +95,8 @@ def test_dpo_gradient_and_metrics_by_hand():
     assert float(m["rewards_margin"]) == pytest.approx((sum(rc) - sum(rr)) / 2)
     assert float(m["rewards_accuracy"]) == pytest.approx(sum(a > b for a, b in zip(rc, rr)) / 2)
     assert float(m["logps_rejected"]) == pytest.approx(float(lp[1].sum() + lp[3].sum()) / 2)
+    assert float(m["logps_accuracy"]) == pytest.approx(sum(float(lp[w].sum()) > float(lp[w + 1].sum())
+                                                           for w in (0, 2)) / 2)
 
 
 def test_dpo_refuses_a_split_pair():
