@@ -16,7 +16,9 @@ examples or pairs, no gradient accumulation), learning rate, constant schedule, 
 recomputes nothing), no shuffling, and for DPO its default reference model (a frozen copy, one forward per step).
 Precision: bf16 loads TRL's model in bf16 (bf16 weights and compute, as `policy.precision: bf16`); fp32 is fp32 on
 both sides. `--warmup` steps are run and dropped; the medians of `--steps` are reported. Tokens are the data's own
-(SFT: prompt + completion; DPO: prompt + chosen + prompt + rejected), counted the same way for both sides. Peak
+(SFT: prompt + completion; DPO: prompt + chosen + prompt + rejected) as megatron-rl tokenizes them, for both sides;
+TRL's tokenization is checked to be the same but for one token per response (it also trains the newline its chat
+template puts after `<|im_end|>`). Peak
 memory: the highest summed RSS of the side's whole process tree (for megatron-rl: the driver, Ray's processes and
 the policy worker), and of its largest process (the one that trains), sampled every 0.1 s by this script.
 
@@ -126,7 +128,8 @@ def run_trl(args, data: Path, out: str) -> dict:
                   gradient_accumulation_steps=1, learning_rate=2e-5, lr_scheduler_type="constant", warmup_steps=0,
                   weight_decay=0.0, max_grad_norm=1.0, use_cpu=True, bf16=args.precision == "bf16", fp16=False,
                   report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
-                  gradient_checkpointing=False, shuffle_dataset=False, max_length=4096, seed=0)
+                  gradient_checkpointing=False, max_length=4096, seed=0,
+                  train_sampling_strategy="sequential")  # the file's order, as ours (sft/dpo.shuffle=false)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -282,9 +285,15 @@ def main() -> int:
         write_data(data, algo, args.batch * (args.warmup + args.steps))
         ours_tokens = data_tokens(data, algo, args.model, args.batch)
         raw = {side: run_side(side, algo, args, data) for side in ("trl", "ours")}
-        same = raw["trl"] is not None and raw["trl"]["tokens"] == ours_tokens
-        print(f"{algo}: TRL's tokens per step {raw['trl']['tokens'] if raw['trl'] else None}, ours {ours_tokens}: "
-              f"{'identical' if same else 'DIFFERENT'}")
+        # TRL renders a conversational completion as the template's whole assistant turn, "...<|im_end|>\n", and
+        # trains the newline too; ours ends the response at EOS. So TRL has one token more per response, no other
+        # difference: per step exactly `responses` more (SFT: one per example, DPO: chosen and rejected)
+        responses = args.batch * (1 if algo == "sft" else 2)
+        trl_tokens = raw["trl"]["tokens"] if raw["trl"] else None
+        same = trl_tokens is not None and [t - o for t, o in zip(trl_tokens, ours_tokens)] == \
+            [responses] * len(ours_tokens)
+        print(f"{algo}: TRL's tokens per step {trl_tokens}, ours {ours_tokens}: "
+              f"{f'identical but for the newline after each of the {responses} responses' if same else 'DIFFERENT'}")
         trl_s, ours_s = (summarize(raw[s], args.warmup, ours_tokens) for s in ("trl", "ours"))
         ratios = print_table(algo, trl_s, ours_s)
         results[algo] = {"trl": trl_s, "ours": ours_s, "ratios": ratios, "tokens_identical": same}
