@@ -26,20 +26,15 @@ FIELDS = ("index", "prompt", "completion", "reward")
 
 def read_samples(path: str | Path) -> list[dict]:
     """`megatron-rl eval --samples-out` lines; a bad line is a DataError naming file and line."""
+    from megatron_rl.data.supervised import jsonl_objects
+
     rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            missing = [k for k in FIELDS if not isinstance(row, dict) or k not in row]
-            if missing:
-                raise DataError(f"{path}:{lineno}: missing field {missing[0]!r} (a `megatron-rl eval --samples-out` "
-                                "line has index, prompt, completion, reward)")
-            rows.append(row)
+    for p, lineno, row in jsonl_objects(path):
+        missing = [k for k in FIELDS if k not in row]
+        if missing:
+            raise DataError(f"{p}:{lineno}: missing field {missing[0]!r} (a `megatron-rl eval --samples-out` line "
+                            "has index, prompt, completion, reward)")
+        rows.append(row)
     return rows
 
 

@@ -45,7 +45,9 @@ class _LineError(ValueError):
     """A problem with one line; `read_*` adds the file and line number."""
 
 
-def _lines(path: str | Path):
+def jsonl_objects(path: str | Path):
+    """(path, line number, object) for each non-blank line of a JSONL file of objects; a missing file, bad JSON or
+    a non-object is a DataError naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: no such file")
@@ -150,7 +152,7 @@ def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
     """`max_len`: the longest example allowed, set by the config key `key` (named when one is longer)."""
     r = Renderer(tok, chat)
     out = []
-    for p, lineno, obj in _lines(path):
+    for p, lineno, obj in jsonl_objects(path):
         try:
             if "messages" in obj:
                 ids, plen, mask = r.assistant_turns(_messages(obj["messages"], "messages"))
@@ -173,7 +175,7 @@ def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True
                key: str = "dpo.max_seq_len") -> list[PairExample]:
     r = Renderer(tok, chat)
     out = []
-    for p, lineno, obj in _lines(path):
+    for p, lineno, obj in jsonl_objects(path):
         try:
             prompt = r.prompt(obj)
             chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
