@@ -113,7 +113,7 @@ examples:
   megatron-rl eval --model runs/demo_cpu/hf --config configs/demo_cpu.yaml --n 4 --num-prompts 64
   megatron-rl eval --model MODEL_DIR --jsonl problems.jsonl --n 8 --out result.json generation.max_new_tokens=1024
   megatron-rl eval --model default --config configs/demo_cpu.yaml --split train --n 8 --num-prompts 256 \
-      --samples-out samples.jsonl       # then: python -m megatron_rl.data.rejection_sampling samples.jsonl ..."""
+      --samples-out samples.jsonl       # then SFT examples / DPO pairs from it: docs/sft_dpo.md"""
 
 
 def main(argv: list[str]) -> int:
