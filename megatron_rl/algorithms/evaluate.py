@@ -39,15 +39,14 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
     out = {"val_accuracy": sum(correct) / max(len(correct), 1),
             "val_pass_at_k": sum(per_prompt) / max(len(per_prompt), 1),
             "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))]}
+    answers = stats.get("answers") or [None] * len(texts)
     if keep > 0:
         from megatron_rl.algorithms.samples import sample_record
 
-        answers = stats.get("answers") or [None] * len(texts)
         firsts = [(i, res.for_prompt(i)[0]) for i in range(min(keep, len(items)))]
         out["samples"] = [sample_record(0, "val", i, 0, items[i], texts[k], answers[k], rewards[k],
                                         res.finish_reasons[k]) for i, k in firsts]
     if every_sample:
-        answers = stats.get("answers") or [None] * len(texts)
         out["rows"] = [sample_row(items[i], i, j, texts[k], answers[k], rewards[k], res.finish_reasons[k], cfg)
                        for i in range(len(items)) for j, k in enumerate(res.for_prompt(i))]
     return out
@@ -155,9 +154,9 @@ def main(argv: list[str]) -> int:
     result = evaluate_model(cfg, args.model, n=args.n, num_prompts=args.num_prompts, temperature=args.temperature,
                             split=args.split, every_sample=bool(args.samples_out))
     if args.samples_out:
-        rows = result.pop("rows")
-        with open(args.samples_out, "w") as f:
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        from megatron_rl.data.rejection_sampling import write_jsonl
+
+        write_jsonl(result.pop("rows"), args.samples_out)
         result["samples_out"] = args.samples_out
     text = json.dumps(result, indent=2)
     print(text)
@@ -181,12 +180,11 @@ def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: fl
                    split: str = "val", every_sample: bool = False) -> dict:
     """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data` (split="train": its
     training prompts), with an in-process engine (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
-    from megatron_rl.generation import build_engine
+    from megatron_rl.config.loader import resolve_model_dir
     from megatron_rl.data.datasets import DataError, load_dataset
     from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.generation import build_engine
     from megatron_rl.rewards.reward_fn import RewardFn
-
-    from megatron_rl.config.loader import resolve_model_dir
 
     model = str(resolve_model_dir(model))  # "default": the embedded model, as in training
     tok = load_tokenizer(cfg.policy.tokenizer or model)
