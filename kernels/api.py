@@ -27,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from kernels import chunked
+from kernels import chunked, linear
 
 IMPL_ENV = "MEGATRON_RL_LOGPROB_IMPL"
 _IMPLS = ("triton", "torch")
@@ -188,8 +188,8 @@ class _LinearLogprobFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, group, vocab_start, temperature, chunk, with_entropy,
                 reduce_hidden_grad):
-        m, s, w, zt = chunked.linear_row_stats(hidden, weight, targets, vocab_start=vocab_start,
-                                               temperature=temperature, with_entropy=with_entropy, chunk=chunk)
+        m, s, w, zt = linear.row_stats(hidden, weight, targets, vocab_start=vocab_start, temperature=temperature,
+                                       with_entropy=with_entropy, chunk=chunk)
         M, S, W, ZT = _reduce_stats(m, s, w, zt, group)
         lp, ent, log_s, mz = _finish(M, S, W, ZT, targets)
         ctx.save_for_backward(hidden, weight, targets, M, log_s, mz)
@@ -207,8 +207,11 @@ class _LinearLogprobFn(torch.autograd.Function):
         g_lp, g_ent = _prep_grads(g_lp, g_ent, targets, with_entropy)
         if g_lp is None and g_ent is None:
             return (None,) * 9
-        grad_h, grad_w = chunked.linear_grads(hidden, weight, targets, M, log_s, mz, g_lp, g_ent,
-                                              vocab_start=vocab_start, temperature=temperature, chunk=chunk)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h, grad_w = linear.grads(hidden, weight, targets, M, log_s, mz, g_lp, g_ent, vocab_start=vocab_start,
+                                      temperature=temperature, chunk=chunk, need_hidden=need_h, need_weight=need_w)
+        if grad_h is None:
+            return None, grad_w, None, None, None, None, None, None, None
         if reduce_hidden_grad and _tp_size(group) > 1:
             # hidden is replicated across the TP group; each rank only saw its vocab shard's share of dL/dhidden
             # (grad_h is on hidden's device, where the TP group's backend needs it)
@@ -224,7 +227,9 @@ def linear_token_logprobs(hidden, weight, targets, *, tp_group=None, vocab_start
     computed in the inputs' dtype like a plain lm-head, statistics in fp32. With ``return_entropy`` also returns the
     entropy. With TP the hidden gradient is summed over the group (hidden is replicated, each rank holds part of
     the vocab); pass ``reduce_hidden_grad=False`` if the caller's copy-to-TP-region already does that.
-    chunk: (token rows, vocab cols) tile or vocab cols; plain torch implementation on every device for now.
+    chunk: (token rows, vocab cols) of a logit block, or vocab cols (kernels/linear.py). One plain-torch
+    implementation on every device: its GEMMs are the library's, and on CUDA the elementwise work per block is a
+    few large kernels; a Triton version that fuses that work into the GEMM's epilogue is not written.
     """
     if hidden.dtype not in _FLOATS or weight.dtype != hidden.dtype:
         raise TypeError(f"hidden/weight must share a float dtype, got {hidden.dtype}/{weight.dtype}")

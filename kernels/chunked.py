@@ -5,8 +5,8 @@ Same contract as kernels/triton_logprobs.py: ``row_stats`` returns this shard's 
 extra memory at any time is a few fp32 tiles of ``rows x cols`` elements, whatever N and V are; the only [N, V]
 allocation is the gradient itself (in the logits' dtype).
 
-The linear variants (``linear_row_stats`` / ``linear_grads``) do the same with logits = hidden @ weight.T computed
-one tile at a time, so [N, V] logits never exist in the forward or the backward.
+kernels/linear.py reuses the tile arithmetic (``_update``, ``_grad_tile``, ``_pick``) with logits = hidden @ weight.T
+computed one block at a time, so there [N, V] logits never exist in the forward or the backward.
 """
 from __future__ import annotations
 
@@ -119,64 +119,3 @@ def grad_logits(x: torch.Tensor, targets: torch.Tensor, m, log_s, mz, g_lp, g_en
                            local_t[r0:r1], c0, temperature)
             dx[r0:r1, c0:c0 + cols] = g  # cast to the logits' dtype happens in this copy
     return dx
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Fused linear + logprob: logits tiles are hidden[rows] @ weight[cols].T, computed in the inputs' dtype (as a plain
-# lm-head would) and upcast to fp32 for the statistics.
-
-def _logit_tile(hidden, weight, r0, r1, c0, c1, temperature):
-    return (hidden[r0:r1] @ weight[c0:c1].t()).float().div_(temperature)
-
-
-def linear_row_stats(hidden, weight, targets, *, vocab_start: int, temperature: float, with_entropy: bool,
-                     chunk=None):
-    N, V = hidden.shape[0], weight.shape[0]
-    f32 = dict(device=hidden.device, dtype=torch.float32)
-    m = torch.full((N,), _NEG_BIG, **f32)
-    s = torch.zeros(N, **f32)
-    w = torch.zeros(N, **f32) if with_entropy else None
-    zt = torch.zeros(N, **f32)
-    local_t = targets - vocab_start
-    rows, cols = tiles(N, V, chunk, hidden.device)
-    for r0 in range(0, N, rows):
-        r1 = min(r0 + rows, N)
-        mr, sr, wr = m[r0:r1], s[r0:r1], (w[r0:r1] if with_entropy else None)
-        t = local_t[r0:r1]
-        for c0 in range(0, V, cols):
-            c1 = min(c0 + cols, V)
-            z = _logit_tile(hidden, weight, r0, r1, c0, c1, temperature)
-            # the target logit is read from the same matmul tile that feeds the statistics
-            zt[r0:r1] += _pick(z, t - c0, 0, c1 - c0)
-            mr, sr, wr = _update(mr, sr, wr, z, with_entropy)
-        m[r0:r1], s[r0:r1] = mr, sr
-        if with_entropy:
-            w[r0:r1] = wr
-    return m, s, w, zt
-
-
-def linear_grads(hidden, weight, targets, m, log_s, mz, g_lp, g_ent, *, vocab_start: int, temperature: float,
-                 chunk=None):
-    """(grad_hidden, grad_weight) of this shard's contribution. Vocab tiles are the outer loop so each weight
-    tile's gradient is finished (accumulated in fp32 over all token tiles) before moving on: O(tile) extra memory
-    plus one fp32 [N, H] accumulator for the hidden gradient."""
-    N, V = hidden.shape[0], weight.shape[0]
-    local_t = targets - vocab_start
-    grad_h = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32)
-    grad_w = torch.empty_like(weight)
-    rows, cols = tiles(N, V, chunk, hidden.device)
-    for c0 in range(0, V, cols):
-        c1 = min(c0 + cols, V)
-        acc_w = torch.zeros((c1 - c0, weight.shape[1]), device=weight.device, dtype=torch.float32)
-        for r0 in range(0, N, rows):
-            r1 = min(r0 + rows, N)
-            z = _logit_tile(hidden, weight, r0, r1, c0, c1, temperature)
-            gz = _grad_tile(z, m[r0:r1], log_s[r0:r1], mz[r0:r1],
-                            None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
-                            local_t[r0:r1], c0, temperature)
-            # matmuls in the inputs' dtype (the reference's autograd would do the same), accumulated in fp32
-            gz = gz.to(hidden.dtype)
-            grad_h[r0:r1] += (gz @ weight[c0:c1]).float()
-            acc_w += (gz.t() @ hidden[r0:r1]).float()
-        grad_w[c0:c1] = acc_w
-    return grad_h, grad_w

@@ -74,6 +74,9 @@ class PolicyConfig:
     # (platform.Platform.default_packing: varlen on GPU, none on CPU)
     packing: Literal["auto", "none", "varlen"] = "auto"
     threads: Optional[int] = None  # CPU: intra-op threads for the trainer phase (default: all cores)
+    # the lm_head fused into the logprob/entropy kernel (kernels/linear.py): logits exist one [rows, cols] block at a
+    # time, never as [tokens, vocab] with their gradient. false: the output layer's logits, then the logprob kernel
+    fused_lm_head: bool = True
     seed: int = 42
 
 

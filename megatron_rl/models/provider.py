@@ -376,7 +376,11 @@ def _mask_padded_logits(vocab_size: int, vocab_start: int, local_vocab: int):
     """Forward hook for output_layer: logits of padded vocab rows (index >= vocab_size) → very negative."""
     first_pad = max(0, vocab_size - vocab_start)  # local column where padding starts
 
-    def hook(_module, _inputs, output):
+    def hook(module, _inputs, output):
+        if getattr(module, "megatron_rl_returned_hidden", False):
+            # the fused head (policy/model_hooks.install_fused_head) returned hidden states, not logits; its
+            # logprob kernel is given only this shard's real vocabulary rows instead
+            return output
         logits = output[0] if isinstance(output, tuple) else output
         # in place is autograd-safe: the linear's backward needs its inputs, not its output; masked entries get 0 grad
         logits[..., first_pad:].fill_(torch.finfo(logits.dtype).min)

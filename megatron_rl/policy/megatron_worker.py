@@ -114,9 +114,11 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         packing_mode = plat.default_packing if cfg.packing == "auto" else cfg.packing  # the loader's rule too
         self.varlen = packing_mode == "varlen" and self.spec.sliding_window is None
         self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
-        from megatron_rl.policy.model_hooks import install_logit_window
+        from megatron_rl.policy.model_hooks import install_fused_head, install_logit_window
 
         self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
+        # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when)
+        self._fused_head = install_fused_head(gpt, ps.get_tensor_model_parallel_rank()) if cfg.fused_lm_head else None
         self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head
         tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
         self.gpt = gpt
@@ -195,14 +197,23 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
                      packed_seq_params=batching.packed_on(mb.packed, self.device)), view
 
-    def _token_stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-        from kernels import token_logprobs_and_entropy
+    def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature: float):
+        """(logprobs, entropy) per token of the last stage's output: hidden states [b, s, h] after a fused head's
+        forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits."""
+        from kernels import linear_token_logprobs, token_logprobs_and_entropy
         from megatron.core import parallel_state as ps
 
         tp = self.tp_size > 1
+        group = self.tp_group if tp else None
+        head = self._fused_head
+        if head is not None and head.weight is not None:
+            # the kernel sums the hidden gradient over TP, as the output layer's own backward would
+            return linear_token_logprobs(output, head.weight, targets.to(output.device), tp_group=group,
+                                         vocab_start_index=head.vocab_start, temperature=temperature,
+                                         return_entropy=True)
         return token_logprobs_and_entropy(
-            logits, targets.to(logits.device), tp_group=self.tp_group if tp else None,
-            vocab_start_index=ps.get_tensor_model_parallel_rank() * logits.shape[-1] if tp else 0,
+            output, targets.to(output.device), tp_group=group,
+            vocab_start_index=ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0,
             temperature=temperature)
 
     def _schedule(self, mbs, step_fn, forward_only: bool):

@@ -154,3 +154,60 @@ def install_logit_window(gpt) -> LogitWindow | None:
 
     layer.register_forward_pre_hook(narrow, with_kwargs=True)
     return window
+
+
+class FusedHead:
+    """What the output layer's last forward would have multiplied by, for `kernels.linear_token_logprobs`.
+
+    ``enabled``: the next forwards return hidden states (True) or the stock logits (False: benches and tests of the
+    unfused path flip it). ``weight``: this rank's real vocabulary rows [n_real, h] of the weight used by that
+    forward (the tied embedding's copy or the output layer's own), None after a stock forward. ``vocab_start``: the
+    global id of its first row."""
+
+    def __init__(self, vocab_start: int, n_real: int):
+        self.enabled = True
+        self.vocab_start, self.n_real = vocab_start, n_real
+        self.weight: torch.Tensor | None = None
+
+
+def install_fused_head(gpt, tp_rank: int = 0) -> FusedHead | None:
+    """Make the output layer hand back its (TP-replicated) input instead of logits while ``head.enabled``.
+
+    The caller then computes logprobs and entropy from hidden states and weight tile by tile (kernels/linear.py),
+    so no [tokens, vocab] tensor exists in the forward or the backward. GPTModel still transposes the output to
+    [b, s, h]; the logit window's pre-hook (`install_logit_window`) narrows the input as before. The layer's own
+    backward all-reduces the hidden gradient over TP (each rank's vocabulary shard contributes part of it); here the
+    kernel does (``reduce_hidden_grad``). Not megatron's copy-to-TP-region: its backward all-reduces a contiguous
+    copy of the gradient and returns the original, and the gradient arriving through GPTModel's transpose is not
+    contiguous, so the sum was lost (measured: every decoder gradient ~15 % short at TP=2).
+
+    Padded vocabulary rows (models/provider.py masks their logits with a forward hook) are left out of the weight
+    handed on instead, and that hook skips a forward that returned hidden states.
+
+    Not installed (None): stages without an output layer, sequence parallelism (the layer's input is then a
+    sequence shard it all-gathers), multi-token prediction, an output bias, or an output layer gathering logits.
+    """
+    layer = getattr(gpt, "output_layer", None)
+    cfg = gpt.config
+    if (layer is None or not getattr(gpt, "post_process", True) or cfg.sequence_parallel
+            or getattr(cfg, "mtp_num_layers", None) or getattr(layer, "bias", None) is not None
+            or getattr(layer, "gather_output", False)):
+        return None
+    spec = gpt.megatron_rl_spec
+    tp = cfg.tensor_model_parallel_size or 1
+    local = spec.padded_vocab // tp
+    start = tp_rank * local
+    head = FusedHead(start, max(0, min(local, spec.vocab_size - start)))
+    stock = layer.forward  # bound method of this instance; the instance attribute below takes precedence
+
+    def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
+        layer.megatron_rl_returned_hidden = head.enabled
+        if not head.enabled:
+            head.weight = None
+            return stock(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
+        w = layer.weight if weight is None else weight
+        head.weight = w[:head.n_real]
+        return input_, None
+
+    layer.forward = forward
+    return head

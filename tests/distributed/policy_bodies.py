@@ -65,10 +65,11 @@ def hf_reference(model_dir: str, batch: RolloutBatch, lr: float = LR):
     return lps, loss_sum, float(grad_norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True, precision="fp32", lr=LR):
+def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True, precision="fp32", lr=LR, fused=True):
     # fp32 unless asked: these layouts are compared with an fp32 HF reference to 1e-5 ("auto" is bf16 on a CPU with
     # bf16 instructions)
     return PolicyConfig(model=str(model_dir), tp=tp, pp=pp, max_tokens_per_microbatch=budget, precision=precision,
+                        fused_lm_head=fused,
                         optimizer=OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS,
                                                   distributed=distributed))
 
@@ -102,7 +103,8 @@ def layouts_match_reference(rank: int, world_size: int, model_dir: str):
     ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
     res = {"ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None}
     layouts = {"dp2": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2_small_mb": dict(budget=24),
-               "tp2_plain_opt": dict(tp=2, distributed=False)}
+               "tp2_plain_opt": dict(tp=2, distributed=False), "tp2_unfused": dict(tp=2, fused=False),
+               "pp2_unfused": dict(pp=2, fused=False)}
     for name, kw in layouts.items():
         w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, **kw))
         w.setup()
@@ -114,6 +116,8 @@ def layouts_match_reference(rank: int, world_size: int, model_dir: str):
 
         assert (w._logit_window is not None) == ps.is_pipeline_last_stage(), name
         assert w._logit_window is None or w._logit_window.start > 0, name
+        # the fused head (no logits formed) on the last stage unless switched off: "*_unfused" cover the logits path
+        assert (w._fused_head is not None) == (ps.is_pipeline_last_stage() and not name.endswith("_unfused")), name
         # the step below runs torch's fused AdamW kernel; the weights after it are compared with the default AdamW's
         from megatron_rl.policy.grad_ops import torch_optimizers
 

@@ -7,7 +7,7 @@ from megatron_rl.models.tiny import write_tiny_hf_model
 from megatron_rl.distributed.launch import run_distributed
 from tests.distributed import policy_bodies
 
-LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "tp2_plain_opt"]
+LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "tp2_plain_opt", "tp2_unfused", "pp2_unfused"]
 
 
 @pytest.fixture(scope="module")
