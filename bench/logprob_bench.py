@@ -4,6 +4,12 @@
     python bench/logprob_bench.py --tokens 2048 --backward
     python bench/logprob_bench.py --peak-bw-gbs 4800      # on a GPU: report achieved bandwidth vs this peak
     python bench/logprob_bench.py --smoke                 # CI: 256 tokens x 4096 vocab, fp32, CPU, fwd + bwd
+    python bench/logprob_bench.py --head --hidden 1536    # the lm-head too: today's unfused path vs the fused one
+
+--head starts from hidden states [tokens, hidden] and the output weight [vocab, hidden] instead of logits, always
+forward + backward (gradients for both): "head_unfused" is the policy's path with policy.fused_lm_head false (the
+lm-head GEMM, then kernels.token_logprobs_and_entropy), "head_fused" its default (kernels.linear_token_logprobs).
+Both must return the same two gradients (the weight's is vocab-sized), so the table also gives the peak beyond them.
 
 --smoke runs the default variants (naive, fused, fused_ent) forward + backward once, each in its own subprocess
 as above, on CPU at tiny shapes, prints the table and exits non-zero unless every variant ran (CI runs it:
@@ -33,7 +39,10 @@ VARIANTS = {
     "naive_ent": "naive logprobs + entropy -(p * logp).sum()",
     "fused": "kernels.token_logprobs",
     "fused_ent": "kernels.token_logprobs_and_entropy",
+    "head_unfused": "hidden @ weight.T, then kernels.token_logprobs_and_entropy (policy.fused_lm_head: false)",
+    "head_fused": "kernels.linear_token_logprobs with entropy: no [tokens, vocab] logits (the default)",
 }
+HEAD_VARIANTS = "head_unfused,head_fused"
 
 
 def _rss_peak_bytes() -> int:
@@ -51,14 +60,32 @@ def _child(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     N, V, T = args.tokens, args.vocab, args.temperature
     torch.manual_seed(0)
-    logits = torch.empty(N, V, dtype=dtype, device=dev)
-    for r in range(0, N, 8):  # small blocks: no big temporaries before the baseline is taken
-        logits[r:r + 8].normal_(0.0, 3.0)
+    head = args.variant.startswith("head_")
+    # head variants: hidden [N, H] and weight [V, H] (logits |z| ~ 3 as below); else the logits themselves
+    shapes = [(N, args.hidden), (V, args.hidden)] if head else [(N, V)]
+    scales = [1.0, 3.0 / args.hidden ** 0.5] if head else [3.0]
+    inputs = []
+    for shape, scale in zip(shapes, scales):
+        x = torch.empty(shape, dtype=dtype, device=dev)
+        for r in range(0, shape[0], 8):  # small blocks: no big temporaries before the baseline is taken
+            x[r:r + 8].normal_(0.0, scale)
+        inputs.append(x.requires_grad_(args.backward or head))
+    logits = inputs[0]
     targets = torch.randint(0, V, (N,), device=dev)
     g = torch.randn(N, device=dev)
-    logits.requires_grad_(args.backward)
+    grads_bytes = sum(x.numel() * x.element_size() for x in inputs) if head else 0
 
     def run():
+        if head:
+            hidden, weight = inputs
+            if args.variant == "head_unfused":
+                out = list(kernels.token_logprobs_and_entropy(hidden @ weight.t(), targets, temperature=T))
+            else:
+                out = list(kernels.linear_token_logprobs(hidden, weight, targets, temperature=T,
+                                                         return_entropy=True))
+            sum((o * g).sum() for o in out).backward()
+            hidden.grad = weight.grad = None
+            return out
         if args.variant == "naive":
             out = [ref_token_logprobs(logits, targets, temperature=T)]
         elif args.variant == "naive_ent":
@@ -91,8 +118,8 @@ def _child(args) -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() if dev.type == "cuda" else _rss_peak_bytes()) - base
-    return dict(variant=args.variant, device=str(dev), peak_extra_bytes=peak, times=times,
-                logits_bytes=logits.numel() * logits.element_size(),
+    return dict(variant=args.variant, device=str(dev), peak_extra_bytes=peak, times=times, grads_bytes=grads_bytes,
+                logits_bytes=N * V * torch.empty((), dtype=dtype).element_size(),
                 impl=kernels.choose_impl(logits, args.impl) if args.variant.startswith("fused") else "-")
 
 
@@ -109,11 +136,18 @@ def main() -> None:
     p.add_argument("--impl", default=None, choices=[None, "triton", "torch"], help="force the fused impl")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is available")
     p.add_argument("--peak-bw-gbs", type=float, default=4800.0, help="device memory bandwidth, GB/s (H200 ~4800)")
+    p.add_argument("--head", action="store_true", help=f"the lm-head variants ({HEAD_VARIANTS}), fwd + bwd")
+    p.add_argument("--hidden", type=int, default=1536, help="--head: hidden size (Qwen2.5-1.5B's 1536)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU shapes, fail if a variant did not run")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
         args.tokens, args.vocab, args.dtype, args.repeat, args.backward, args.cpu = 256, 4096, "fp32", 1, True, True
+        args.hidden = 64
+        if not args.head:
+            args.variants += "," + HEAD_VARIANTS  # the smoke runs every variant CI can afford
+    elif args.head:
+        args.variants, args.backward = HEAD_VARIANTS, True
 
     if args.child:
         args.variant = args.child
@@ -123,6 +157,7 @@ def main() -> None:
     # the child re-parses the parent's arguments: pass the resolved values, not --smoke
     passthrough = [f"--tokens={args.tokens}", f"--vocab={args.vocab}", f"--dtype={args.dtype}",
                    f"--temperature={args.temperature}", f"--repeat={args.repeat}", f"--peak-bw-gbs={args.peak_bw_gbs}",
+                   f"--hidden={args.hidden}",
                    *(["--backward"] if args.backward else []), *(["--cpu"] if args.cpu else []),
                    *([f"--impl={args.impl}"] if args.impl else [])]
     print(f"tokens={args.tokens} vocab={args.vocab} dtype={args.dtype} T={args.temperature} "
@@ -141,15 +176,22 @@ def main() -> None:
         rows.append(json.loads(line[0][len("RESULT "):]))
 
     passes = 3 if args.backward else 1  # logits read in forward (+ read again and gradient written in backward)
-    print(f"{'variant':<10} {'impl':<7} {'device':<7} {'peak extra':>11} {'x logits':>9} {'best s':>8} "
-          f"{'GB/s':>8} {'% peak bw':>9}  what")
+    print(f"{'variant':<12} {'impl':<7} {'device':<7} {'peak extra':>11} {'x logits':>9} {'beyond grads':>13} "
+          f"{'best s':>8} {'GB/s':>8} {'% peak bw':>9}  what")
     for r in rows:
         best = min(r["times"])
         gbs = passes * r["logits_bytes"] / best / 1e9
         bw = f"{100 * gbs / args.peak_bw_gbs:8.1f}%" if r["device"].startswith("cuda") else f"{'-':>9}"
-        print(f"{r['variant']:<10} {r['impl']:<7} {r['device']:<7} {r['peak_extra_bytes'] / 2**30:>7.3f} GiB "
-              f"{r['peak_extra_bytes'] / r['logits_bytes']:>9.3f} {best:>8.3f} {gbs:>8.1f} {bw}  "
+        beyond = f"{(r['peak_extra_bytes'] - r['grads_bytes']) / 2**30:>9.3f} GiB" if r["grads_bytes"] else f"{'-':>13}"
+        print(f"{r['variant']:<12} {r['impl']:<7} {r['device']:<7} {r['peak_extra_bytes'] / 2**30:>7.3f} GiB "
+              f"{r['peak_extra_bytes'] / r['logits_bytes']:>9.3f} {beyond} {best:>8.3f} {gbs:>8.1f} {bw}  "
               f"{VARIANTS[r['variant']]}")
+    by = {r["variant"]: r for r in rows}
+    if {"head_unfused", "head_fused"} <= set(by):
+        u, f = by["head_unfused"], by["head_fused"]
+        print(f"fused / unfused: peak extra {f['peak_extra_bytes'] / u['peak_extra_bytes']:.3f}, beyond the "
+              f"gradients {(f['peak_extra_bytes'] - f['grads_bytes']) / (u['peak_extra_bytes'] - u['grads_bytes']):.3f}"
+              f", time {min(f['times']) / min(u['times']):.2f}")
     missing = sorted(set(args.variants.split(",")) - {r["variant"] for r in rows})
     if missing:
         print(f"FAILED: {', '.join(missing)} did not run")

@@ -59,8 +59,11 @@ def test_dpo_step_equals_paper_formula_on_hf_logits(results, layout):
     chosen = [beta * float(lps[i].sum() - results["dpo_ref_in"][i].sum()) for i in range(0, len(lps), 2)]
     rejected = [beta * float(lps[i].sum() - results["dpo_ref_in"][i].sum()) for i in range(1, len(lps), 2)]
     pairs = len(chosen)
-    assert m["rewards_chosen"] == pytest.approx(sum(chosen) / pairs, rel=1e-5, abs=1e-6)
-    assert m["rewards_rejected"] == pytest.approx(sum(rejected) / pairs, rel=1e-5, abs=1e-6)
+    # a reward is beta x a difference of two summed logprobs: each token may differ from HF's by fp32 rounding of
+    # the logits (the 1e-5 the logprob checks allow; the fused head's blocked GEMM rounds in its own order)
+    tol = beta * 1e-5 * max(len(x) for x in lps)
+    assert m["rewards_chosen"] == pytest.approx(sum(chosen) / pairs, rel=1e-5, abs=tol)
+    assert m["rewards_rejected"] == pytest.approx(sum(rejected) / pairs, rel=1e-5, abs=tol)
     assert m["rewards_accuracy"] == pytest.approx(sum(c > x for c, x in zip(chosen, rejected)) / pairs)
     assert m["logps_chosen"] == pytest.approx(sum(float(lps[i].sum()) for i in range(0, len(lps), 2)) / pairs,
                                               rel=1e-5)

@@ -11,7 +11,7 @@ from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed import varlen_bodies
 
 MASKED = ["dp2_masked", "dp2_cascade_masked"]
-FAST = ["dp2_varlen", "tp2_cascade", "pp2_cascade", *MASKED]
+FAST = ["dp2_varlen", "tp2_cascade", "tp2_cascade_unfused", "pp2_cascade", *MASKED]
 SLOW = [n for n in varlen_bodies.LAYOUTS if n not in FAST]
 
 
@@ -38,6 +38,7 @@ def _close_lists(got, want, atol):
 
 def _check_layout(res, name):
     r = res[name]
+    assert r["fused"] == (not name.endswith("_unfused"))  # the fused head is the default on the last stage
     assert r["varlen"] and all(b == 1 for b, _ in r["rows"]), r["rows"]  # one packed THD row per micro-batch
     assert len(r["rows"]) >= 2 and all(s <= varlen_bodies.BUDGET for _, s in r["rows"])
     assert r["cascade_rows"] > 0 if r["shared"] else r["cascade_rows"] == 0

@@ -52,7 +52,7 @@ def _run(rank, world_size, model_dir, batch, shared, recompute=False, multiple=N
     after = _gather_obj(w.hf_state_dict())
     gathered = _gather_obj(layout)
     return {
-        "varlen": w.varlen, "shared": w.shared_prefix,
+        "varlen": w.varlen, "shared": w.shared_prefix, "fused": any(_gather_obj(w._fused_head is not None)),
         "rows": [r for g in gathered for r in g["rows"]],
         "cascade_rows": sum(g["cascade_rows"] for g in gathered), "padded": sum(g["padded"] for g in gathered),
         "tokens": sum(g["tokens"] for g in gathered),
@@ -65,6 +65,7 @@ def _run(rank, world_size, model_dir, batch, shared, recompute=False, multiple=N
 LAYOUTS = {
     "dp2_varlen": dict(shared=False), "tp2_varlen": dict(shared=False, tp=2), "pp2_varlen": dict(shared=False, pp=2),
     "dp2_cascade": dict(shared=True), "tp2_cascade": dict(shared=True, tp=2), "pp2_cascade": dict(shared=True, pp=2),
+    "tp2_cascade_unfused": dict(shared=True, tp=2, fused=False),  # the lm_head's logits, then the logprob kernel
     "tp2_cascade_pad4": dict(shared=True, tp=2, multiple=4),
     "pp2_cascade_recompute": dict(shared=True, pp=2, recompute=True),
     "dp2_masked": dict(shared=False, packing="none", masked=True),

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CASES = {
     "plan_vs_nemo_rl": (["--smoke"], ["NeMo-RL TP1/PP2", "one-step-off speed-up", "smoke ok"], 120),
-    "logprob_bench": (["--smoke"], ["forward+backward", "naive ", "fused ", "fused_ent ", "smoke ok"], 180),
+    "logprob_bench": (["--smoke"], ["forward+backward", "naive ", "fused ", "fused_ent ", "head_unfused ",
+                                    "head_fused ", "fused / unfused:", "smoke ok"], 180),
+    "fused_head_memory": (["--smoke"], ["228 unfused", "228 fused", "fused/unfused step growth", "smoke ok"], 240),
     "convert_bench": (["--smoke"], ["hf-to-megatron", "megatron-to-hf", "ratios vs reference (wall)",
                                     "round trip exact", "smoke ok"], 300),
     "policy_bench": (["--smoke"], ["batch: 4 x 32 tokens", "megatron-rl ", "hf+adamw ", "ratio "], 300),
