@@ -21,8 +21,11 @@ import torch
 from kernels.chunked import _NEG_BIG, _grad_tile, _pick, _tile, _update
 
 # (R, C, r) per device kind. CPU measured as in the module doc: (8192, 2048, 256) ran fwd + bwd at 1.0-1.1x the
-# unfused path's time. CUDA: blocks of 4096 vocab columns keep the GEMMs large; 2048-row fp32 sub-tiles bound the
-# elementwise temporaries to ~32 MB each.
+# unfused path's time at 2,048 tokens, 1.38x at 8,192 (bench/logprob_bench.py --head). CUDA: blocks of 4096 vocab
+# columns keep the GEMMs large; 2048-row fp32 sub-tiles bound the elementwise temporaries to ~32 MB each. The CUDA
+# entry is only a tile size: no CPU test can pick it (it keys on the tensors' device), but the arithmetic it feeds
+# is the same code every CPU test runs with explicit tiles of many shapes (tests/kernels/test_linear.py), and
+# tests/kernels/gpu_check.py checks this path on a device.
 _BLOCKS = {"cpu": (8192, 2048, 256), "cuda": (8192, 4096, 2048)}
 
 

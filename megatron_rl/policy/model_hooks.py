@@ -159,19 +159,17 @@ def install_logit_window(gpt) -> LogitWindow | None:
 class FusedHead:
     """What the output layer's last forward would have multiplied by, for `kernels.linear_token_logprobs`.
 
-    ``enabled``: the next forwards return hidden states (True) or the stock logits (False: benches and tests of the
-    unfused path flip it). ``weight``: this rank's real vocabulary rows [n_real, h] of the weight used by that
-    forward (the tied embedding's copy or the output layer's own), None after a stock forward. ``vocab_start``: the
-    global id of its first row."""
+    ``weight``: this rank's real vocabulary rows [n_real, h] of the weight used by that forward (the tied
+    embedding's copy or the output layer's own; None before the first). ``vocab_start``: the global id of its first
+    row. The unfused path is a worker built with `policy.fused_lm_head: false` (no head installed)."""
 
     def __init__(self, vocab_start: int, n_real: int):
-        self.enabled = True
         self.vocab_start, self.n_real = vocab_start, n_real
         self.weight: torch.Tensor | None = None
 
 
 def install_fused_head(gpt, tp_rank: int = 0) -> FusedHead | None:
-    """Make the output layer hand back its (TP-replicated) input instead of logits while ``head.enabled``.
+    """Make the output layer hand back its (TP-replicated) input instead of logits.
 
     The caller then computes logprobs and entropy from hidden states and weight tile by tile (kernels/linear.py),
     so no [tokens, vocab] tensor exists in the forward or the backward. GPTModel still transposes the output to
@@ -198,16 +196,12 @@ def install_fused_head(gpt, tp_rank: int = 0) -> FusedHead | None:
     local = spec.padded_vocab // tp
     start = tp_rank * local
     head = FusedHead(start, max(0, min(local, spec.vocab_size - start)))
-    stock = layer.forward  # bound method of this instance; the instance attribute below takes precedence
 
     def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
-        layer.megatron_rl_returned_hidden = head.enabled
-        if not head.enabled:
-            head.weight = None
-            return stock(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
         w = layer.weight if weight is None else weight
         head.weight = w[:head.n_real]
         return input_, None
 
-    layer.forward = forward
+    layer.forward = forward  # instance attribute: nn.Module.__call__ (and its pre-hooks) dispatch to it
+    layer.megatron_rl_returned_hidden = True  # provider.py's padded-logit hook: leave this output alone
     return head
