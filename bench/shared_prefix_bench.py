@@ -10,6 +10,10 @@ to the padded layout (same weights, before any step). Two batch shapes:
 - `deepscaler`: a few long and many short completions per group (DeepScaleR's spread, where responses range from a
   few hundred to 24K tokens, scaled to CPU: ~15 % of completions `--long` tokens, the rest ~`--completion`).
 
+Two more rows run the unpacked layouts (padded, shared with its block mask) through megatron's own unfused core
+attention ([b, h, s, s] scores, fp32 softmax) instead of torch's fused kernel, which the local spec now uses
+(`models/varlen_attention.dense_attention`).
+
 With `--full-logits` a further row keeps the shared layout but runs the lm_head on every column instead of only the
 response predictions (`model_hooks.install_logit_window`).
 
@@ -17,7 +21,7 @@ response predictions (`model_hooks.install_logit_window`).
         --completions 8 --prompt 100 --completion 12 --long 160 --budget 4096] [--reps 2] [--threads 2] [--full-logits]
         [--precision auto|fp32|bf16] [--smoke]
 
---smoke: every layout (and the --full-logits row) on a tiny random Llama (bench/smoke_model.py), 2 groups x 2
+--smoke: every layout (the megatron-attention and --full-logits rows too) on a tiny random Llama (bench/smoke_model.py), 2 groups x 2
 completions, one timed rep, fp32; exits non-zero unless each layout trained and its logprobs match the padded
 layout's (same math in fp32: |dlp| < 1e-4); prints the same table (CI runs it: tests/unit/test_bench_smokes.py).
 """
@@ -85,12 +89,17 @@ def body(rank: int, world_size: int, args: dict):
     w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg, max_steps=100)
     w.setup()
     loss_fn = GRPOLossFn(LossConfig())
-    runs = {name: (s, v, True) for name, (s, v) in LAYOUTS.items()}
+    from megatron_rl.models import varlen_attention
+
+    # (shared prefix, varlen, narrowed lm_head, unpacked rows through torch's fused attention)
+    runs = {name: (s, v, True, True) for name, (s, v) in LAYOUTS.items()}
+    runs["padded, megatron attention"] = (False, False, True, False)
+    runs["shared (mask), megatron attention"] = (True, False, True, False)
     if args["full_logits"]:
-        runs["shared (mask), lm_head everywhere"] = (True, False, False)
+        runs["shared (mask), lm_head everywhere"] = (True, False, False, True)
 
     def use(name):
-        w.shared_prefix, w.varlen, w.narrow_logits = runs[name]
+        w.shared_prefix, w.varlen, w.narrow_logits, varlen_attention.DENSE_SDPA = runs[name]
 
     def fed(name):
         use(name)
@@ -176,7 +185,7 @@ def main() -> None:
               f"{statistics.median(tr):>6.2f}s {base / min(tr):>7.2f}x {min(r['logprobs_s'][m]):>7.2f}s "
               f"{r['lp_diff'][m]:>8.1e}")
     if a["smoke"]:
-        bad = [m for m in LAYOUTS if m not in r["train_s"] or not r["train_s"][m] or not r["lp_diff"][m] < 1e-4]
+        bad = [m for m in r["train_s"] if not r["train_s"][m] or not r["lp_diff"][m] < 1e-4]
         if bad:
             print(f"smoke FAILED: {bad}")
             sys.exit(1)

@@ -11,6 +11,7 @@ Imports cost ~10 s per launch on 2 cores, so tests put several checks into one b
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -20,6 +21,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from megatron_rl.mp_main import main_hidden
+from megatron_rl.platform import get_platform
 
 
 def free_port() -> int:
@@ -58,6 +60,21 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
                 pass
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """`env` added to os.environ while the block runs (processes started in it inherit it), then restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 600.0,
                     threads_per_rank: int | None = None) -> list[Any]:
     ctx = mp.get_context("spawn")
@@ -66,8 +83,10 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads), daemon=True)
              for r in range(world_size)]
-    with main_hidden():  # `python -`, a notebook: the ranks cannot re-run that main (fn must be importable anyway)
-        for p in procs:
+    # the platform's process environment (CPU: glibc's heap settings), as Ray gives its workers: it is read when a
+    # process starts, so it has to be in the environment the ranks are spawned with
+    with main_hidden(), _environment(get_platform().worker_env()):  # main_hidden: `python -`, a notebook (the ranks
+        for p in procs:  # cannot re-run that main; fn must be importable anyway)
             p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []

@@ -28,15 +28,17 @@ CASES = {
                                     "round trip exact", "smoke ok"], 300),
     "policy_bench": (["--smoke"], ["batch: 4 x 32 tokens", "megatron-rl ", "hf+adamw ", "ratio "], 300),
     "shared_prefix_bench": (["--smoke"], ["padded ", "shared (mask) ", "varlen ", "varlen + cascade ",
-                                          "lm_head everywhere"], 300),
+                                          "lm_head everywhere", "shared (mask), megatron attention"], 300),
     # one dtype here: the bf16 column runs the very same three processes again (--smoke alone runs both: 90 s of
     # CPU on 2 cores, the `slow` case below)
-    "phase_limits": (["--smoke", "--dtypes", "fp32"], ["fp32 matmul GFLOP/s", "decode tok/s"], 400),
+    "phase_limits": (["--smoke", "--dtypes", "fp32"], ["fp32 matmul GFLOP/s", "decode tok/s",
+                                                      "memory bandwidth GB/s", "roofline:"], 400),
     "refit_bench": (["--smoke"], ["refit median after the first", "collective refit median after the first",
                                   "vLLM generate (1 thread(s))", "transformers generate (1 thread(s))"], 400),
     # TRL comes from launch/requirements-cpu.lock: a missing TRL fails here (exit 3) rather than skipping
     "grpo_vs_trl": (["--smoke"], ["TRL GRPOTrainer", "megatron-rl", "speed-up per step (TRL / megatron-rl)",
-                                  "prompt token ids identical to ours: 4/4"], 600),
+                                  "prompt token ids identical to ours: 4/4",
+                                  "learning at equal training wall time", " points per minute)"], 900),
     "sft_dpo_vs_trl": (["--smoke"], ["TRL SFTTrainer", "TRL DPOTrainer", "sft: tokens/s ratio", "dpo: tokens/s ratio",
                                      "sft: TRL's tokens per step", "identical but for the newline"], 600),
 }
