@@ -36,7 +36,12 @@ class WeightsOut:
         bucket, size = [], 0
         # tensors stay on the device: the transport decides where bytes go (CUDA IPC shares device buffers, shared
         # memory copies to host); a host round trip here would cost two copies of the model per refit on GPU
-        for name, t in iter_hf_tensors(self.gpt, self.spec, dtype=dtype):
+        items = iter_hf_tensors(self.gpt, self.spec, dtype=dtype)
+        if getattr(self, "lora", None):  # the engine serves the merged model: W + (alpha / r) B A (policy/lora.py)
+            from megatron_rl.policy.lora import merged_hf_tensors
+
+            items = merged_hf_tensors(self.lora, items)
+        for name, t in items:
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= bucket_bytes:
