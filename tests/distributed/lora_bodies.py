@@ -38,13 +38,14 @@ def adapter_start(model_dir: str) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shapes[n], generator=g) * 0.2 for n in sorted(shapes)}
 
 
-def peft_reference(model_dir: str, batch, targets: list[str], start: dict[str, torch.Tensor]) -> dict:
+def peft_reference(model_dir: str, batch, targets: list[str], start: dict[str, torch.Tensor],
+                   dtype: torch.dtype = torch.float32) -> dict:
     """PEFT: base logprobs, LoRA logprobs, loss, adapter gradients and norm, one AdamW step (adapters only, no
     clipping), the adapters after it and the merged model's state."""
     from peft import LoraConfig as PeftLora, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         base_lps = _lps(base, batch)
     model = get_peft_model(base, PeftLora(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
@@ -61,7 +62,7 @@ def peft_reference(model_dir: str, batch, targets: list[str], start: dict[str, t
         loss = -(a * torch.exp(lp - lp.detach())).sum() / total
         loss.backward()
         loss_sum += float(loss)
-    grads = {n: p.grad.detach().clone() for n, p in lora.items()}
+    grads = {n: p.grad.detach().float() for n, p in lora.items()}
     norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
     torch.optim.AdamW(list(lora.values()), lr=LR, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0).step()
     after = {n: p.detach().clone() for n, p in lora.items()}
@@ -95,6 +96,9 @@ LAYOUTS = {
     "dp2_varlen_recompute": dict(targets=SUBSET, packing="varlen", activation_recompute=True),
     "tp2_plain_opt": dict(targets=ALL, tp=2, distributed=False),
 }
+# megatron mixed precision (bf16 compute, fp32 main adapters and Adam) beside the fp32 PEFT reference
+BF16_LAYOUTS = {"tp2_bf16": dict(targets=ALL, tp=2, precision="bf16"),
+                "pp2_bf16": dict(targets=SUBSET, pp=2, precision="bf16")}
 
 
 def lora_suite(rank: int, world_size: int, model_dir: str) -> dict:
@@ -106,9 +110,13 @@ def lora_suite(rank: int, world_size: int, model_dir: str) -> dict:
     batch = make_batch(vocab)
     start = adapter_start(model_dir)
     refs = {"all": peft_reference(model_dir, batch, ALL, start),
-            "subset": peft_reference(model_dir, batch, SUBSET, start)}
+            "subset": peft_reference(model_dir, batch, SUBSET, start),
+            # bf16 numerics move this model's gradient by ~10 % (PEFT's own bf16 run shows it): the bf16 layouts'
+            # gradients are compared with PEFT in bf16
+            "all_bf16": peft_reference(model_dir, batch, ALL, start, torch.bfloat16),
+            "subset_bf16": peft_reference(model_dir, batch, SUBSET, start, torch.bfloat16)}
     res = {"refs": refs if rank == 0 else None}
-    for name, kw in LAYOUTS.items():
+    for name, kw in {**LAYOUTS, **BF16_LAYOUTS}.items():
         kw = dict(kw)
         targets = kw.pop("targets")
         w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, targets, **kw))
@@ -117,6 +125,7 @@ def lora_suite(rank: int, world_size: int, model_dir: str) -> dict:
         load_adapter_state(w.lora, {k: v for k, v in start.items() if k in mine})
         w.optimizer.reload_model_params()  # the optimizer's copies follow the loaded adapters
         base = {n: p.detach().clone() for n, p in w.gpt.named_parameters() if ".lora." not in n}
+        before = _merged_dicts(_gather_obj(adapter_state(w.lora)))
         lora_numel = sum(p.numel() for n, p in w.gpt.named_parameters() if ".lora." in n)
         opt_numel = sum(p.numel() for o in torch_optimizers(w.optimizer) for g in o.param_groups for p in g["params"])
         checks = {
@@ -137,7 +146,7 @@ def lora_suite(rank: int, world_size: int, model_dir: str) -> dict:
                                        if ".lora." not in n)
         res[name] = {"ref": "all" if targets == ALL else "subset", "checks": _gather_obj(checks),
                      "logprobs": [lp[i] for i in range(len(batch))], "ref_logprobs": [ref_lp[i] for i in range(len(batch))],
-                     "metrics": out[0]["metrics"], "grads": grads, "after": after,
+                     "metrics": out[0]["metrics"], "grads": grads, "after": after, "before": before,
                      "merged": merged if rank == 0 else None}
     return res
 
