@@ -6,7 +6,7 @@ that projection's rows of the fused output (`models/mapping.py` has the fused la
 exactly the matrices it trains in PEFT. `all-linear` is PEFT's shorthand for every linear layer but the lm_head.
 
 This module is pure (no torch, no megatron): the config loader checks targets against the model's config.json with it
-before anything starts, and the policy's adapters (`policy/lora.py`) are built from its `resolve_targets`.
+before anything starts, and the policy's adapters (`models/lora.py`) are built from its `resolve_targets`.
 """
 from __future__ import annotations
 

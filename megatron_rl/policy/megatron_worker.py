@@ -42,7 +42,7 @@ from megatron_rl.policy import batching, identity_collectives, packing
 from megatron_rl.policy.grad_ops import (clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
                                         use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
-from megatron_rl.policy.lora import adapters_disabled, install_lora
+from megatron_rl.models.lora import adapters_disabled, install_lora
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.weights_out import WeightsOut
@@ -108,7 +108,7 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
             for p in gpt.parameters():
                 p.data = p.data.to(self.dtype)
         load_hf_into_model(gpt, HFCheckpoint(self.model_dir))
-        # adapters (policy/lora.py) before DDP: it must see the frozen base to give it no gradient buffers
+        # adapters (models/lora.py) before DDP: it must see the frozen base to give it no gradient buffers
         self.lora = install_lora(gpt, cfg.lora, hf_config, cfg.seed) if cfg.lora is not None else None
         self.spec = gpt.megatron_rl_spec
         tcfg = gpt.config

@@ -1,5 +1,5 @@
 """Rank bodies for test_lora.py: LoRA on the Megatron policy worker at TP=2, PP=2 and DP=2 against HF transformers
-+ PEFT's LoRA with the same A/B (independent of megatron and of megatron_rl/policy/lora.py)."""
++ PEFT's LoRA with the same A/B (independent of megatron and of megatron_rl/models/lora.py)."""
 from __future__ import annotations
 
 import json
@@ -96,14 +96,15 @@ LAYOUTS = {
     "dp2_varlen_recompute": dict(targets=SUBSET, packing="varlen", activation_recompute=True),
     "tp2_plain_opt": dict(targets=ALL, tp=2, distributed=False),
 }
+PEFT_EXPORTS = ("tp2_subset", "pp2")  # written as PEFT folders after the step
 # megatron mixed precision (bf16 compute, fp32 main adapters and Adam) beside the fp32 PEFT reference
 BF16_LAYOUTS = {"tp2_bf16": dict(targets=ALL, tp=2, precision="bf16"),
                 "pp2_bf16": dict(targets=SUBSET, pp=2, precision="bf16")}
 
 
-def lora_suite(rank: int, world_size: int, model_dir: str) -> dict:
+def lora_suite(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
     from megatron_rl.policy.grad_ops import torch_optimizers
-    from megatron_rl.policy.lora import adapter_state, load_adapter_state
+    from megatron_rl.models.lora import adapter_state, load_adapter_state
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
@@ -144,7 +145,9 @@ def lora_suite(rank: int, world_size: int, model_dir: str) -> dict:
         merged = _merged_dicts(_gather_obj(w.hf_state_dict()))
         checks["base_unchanged"] = all(torch.equal(p, base[n]) for n, p in w.gpt.named_parameters()
                                        if ".lora." not in n)
+        peft_dir = w.save_adapter(f"{out_dir}/{name}") if name in PEFT_EXPORTS else None
         res[name] = {"ref": "all" if targets == ALL else "subset", "checks": _gather_obj(checks),
+                     "peft_dir": peft_dir,
                      "logprobs": [lp[i] for i in range(len(batch))], "ref_logprobs": [ref_lp[i] for i in range(len(batch))],
                      "metrics": out[0]["metrics"], "grads": grads, "after": after, "before": before,
                      "merged": merged if rank == 0 else None}

@@ -1,4 +1,4 @@
-"""LoRA on the Megatron policy worker (policy/lora.py) against HF transformers + PEFT with the same A/B: logprobs,
+"""LoRA on the Megatron policy worker (models/lora.py) against HF transformers + PEFT with the same A/B: logprobs,
 loss, adapter gradients, the adapters after one Adam step and the merged export, at TP=2 (every target and a subset
 that splits the fused qkv / fc1), PP=2, DP=2 with varlen packing and recompute, and without the distributed
 optimizer; the base stays bit-identical and has no gradient buffers or optimizer state; the KL reference (adapters
@@ -16,16 +16,18 @@ LAYOUTS = list(lora_bodies.LAYOUTS)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     model_dir = str(write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3))
-    return run_distributed(lora_bodies.lora_suite, 2, args=(model_dir,), timeout=900)
+    out = tmp_path_factory.mktemp("peft")
+    return {**run_distributed(lora_bodies.lora_suite, 2, args=(model_dir, str(out)), timeout=900)[0],
+            "model_dir": model_dir}
 
 
 def _ref(results, layout):
-    return results[0]["refs"][results[0][layout]["ref"]]
+    return results["refs"][results[layout]["ref"]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_forward_equals_peft(results, layout):
-    r, ref = results[0][layout], _ref(results, layout)
+    r, ref = results[layout], _ref(results, layout)
     for got, want in zip(r["logprobs"], ref["lps"]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # the adapters are not a no-op here: the LoRA logprobs differ from the base's
@@ -34,13 +36,13 @@ def test_forward_equals_peft(results, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_step_equals_peft_adamw(results, layout):
-    r, ref = results[0][layout], _ref(results, layout)
+    r, ref = results[layout], _ref(results, layout)
     assert r["metrics"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     assert r["metrics"]["grad_norm"] == pytest.approx(ref["norm"], rel=1e-5)
     assert set(r["grads"]) == set(ref["grads"]) == set(r["after"])
     # DDP's gradient buffer holds the whole gradient at DP=1; at DP=2 the distributed optimizer's reduce-scatter
     # leaves each rank only its shard of the sum (the norm above and the update below cover that layout)
-    for k, g in ref["grads"].items() if results[0][layout]["checks"][0]["dp"] == 1 else ():
+    for k, g in ref["grads"].items() if results[layout]["checks"][0]["dp"] == 1 else ():
         torch.testing.assert_close(r["grads"][k], g, atol=1e-6, rtol=1e-5, msg=lambda s: f"{layout} grad {k}: {s}")
     for k, v in ref["after"].items():
         torch.testing.assert_close(r["after"][k], v, atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
@@ -48,7 +50,7 @@ def test_step_equals_peft_adamw(results, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_merged_export_equals_peft_merge(results, layout):
-    r, ref = results[0][layout], _ref(results, layout)
+    r, ref = results[layout], _ref(results, layout)
     assert set(r["merged"]) == set(ref["merged"])
     for k, v in ref["merged"].items():
         torch.testing.assert_close(r["merged"][k], v, atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
@@ -59,11 +61,11 @@ def test_bf16_near_the_fp32_peft_reference(results, layout):
     """bf16 keeps 8 significant bits: logprobs and the loss agree with the fp32 PEFT run to a few 1e-2 (as
     tests/distributed/test_policy.py finds for full fine-tuning). bf16 itself shrinks this model's adapter gradient
     by ~10 % (PEFT in bf16: norm 2.457 vs 2.728 in fp32), so the gradient is held to PEFT's bf16 run, to 2 %."""
-    r, ref = results[0][layout], _ref(results, layout)
+    r, ref = results[layout], _ref(results, layout)
     err = torch.cat([(g.float() - w).abs() for g, w in zip(r["logprobs"], ref["lps"])])
     assert err.max() < 0.1 and err.mean() < 0.02, (err.max(), err.mean())
     assert r["metrics"]["loss"] == pytest.approx(ref["loss"], rel=0.05, abs=0.01)
-    bf = results[0]["refs"][r["ref"] + "_bf16"]
+    bf = results["refs"][r["ref"] + "_bf16"]
     assert r["metrics"]["grad_norm"] == pytest.approx(bf["norm"], rel=0.02)
     assert all(v.dtype == torch.bfloat16 for v in r["merged"].values())  # the refit streams bf16
     # the gradients (DDP reduces them in fp32) point where PEFT's bf16 ones do
@@ -81,7 +83,7 @@ def test_bf16_near_the_fp32_peft_reference(results, layout):
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, *lora_bodies.BF16_LAYOUTS])
 def test_base_frozen_unchanged_and_without_optimizer_state(results, layout):
-    for c in results[0][layout]["checks"]:
+    for c in results[layout]["checks"]:
         assert c["frozen"] and c["no_base_grad_buffer"] and c["base_unchanged"], c
         assert c["ref_weights"] is None  # no host copy of the model for the KL reference
         # Adam's parameters are the adapters (sharded over DP by the distributed optimizer), nothing else
@@ -91,6 +93,37 @@ def test_base_frozen_unchanged_and_without_optimizer_state(results, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_reference_with_adapters_off_is_the_base(results, layout):
-    r, ref = results[0][layout], _ref(results, layout)
+    r, ref = results[layout], _ref(results, layout)
     for got, want in zip(r["ref_logprobs"], ref["base_lps"]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", lora_bodies.PEFT_EXPORTS)
+def test_peft_folder_loads_onto_the_base_and_gives_the_merged_logits(results, layout):
+    """`PeftModel.from_pretrained` on the exported folder (PEFT's names and config) and the merged export loaded into
+    the plain HF model compute the same logits; the folder's tensors are the trained adapters."""
+    import json
+    from pathlib import Path
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    r = results[layout]
+    folder = Path(r["peft_dir"])
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == results["model_dir"] and cfg["r"] == lora_bodies.RANK
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert set(saved) == set(r["after"])
+    assert all(torch.equal(saved[k], v) for k, v in r["after"].items())
+    base = AutoModelForCausalLM.from_pretrained(results["model_dir"], dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(folder)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(results["model_dir"], dtype=torch.float32).eval()
+    merged.load_state_dict(r["merged"], strict=True)
+    x = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = peft_model(x).logits, merged(x).logits
+    # x W^T + s (x A^T) B^T vs x (W + s B A)^T: the same in exact arithmetic, fp32 rounding apart (measured 1.5e-5)
+    torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+    with torch.no_grad(), peft_model.disable_adapter():  # and the adapters matter
+        assert (peft_model(x).logits - a).abs().max() > 1e-3
