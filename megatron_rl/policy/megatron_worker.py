@@ -395,9 +395,12 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
                        "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
                        "driver": extra or {}}
         opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), metadata=_OPT_CKPT_META)
+        # LoRA: the adapters and a pointer to the base (models/checkpoint.py)
+        adapters = None if self.lora is None else {"lora": vars(self.cfg.lora), "base": str(self.model_dir)}
         try:
             return str(save_checkpoint(path, self.gpt, step=self.step, extra_state=extra_state,
-                                       extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir))
+                                       extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir,
+                                       adapters=adapters))
         finally:
             del opt_sd
             get_platform().trim_host_heap()  # the save's staging copies: freed, but not left resident

@@ -96,7 +96,8 @@ LAYOUTS = {
     "dp2_varlen_recompute": dict(targets=SUBSET, packing="varlen", activation_recompute=True),
     "tp2_plain_opt": dict(targets=ALL, tp=2, distributed=False),
 }
-PEFT_EXPORTS = ("tp2_subset", "pp2")  # written as PEFT folders after the step
+PEFT_EXPORTS = ("tp2_subset", "pp2")
+RESUMED = ("tp2", "pp2_subset_unfused")  # saved after the step, resumed into a fresh worker  # written as PEFT folders after the step
 # megatron mixed precision (bf16 compute, fp32 main adapters and Adam) beside the fp32 PEFT reference
 BF16_LAYOUTS = {"tp2_bf16": dict(targets=ALL, tp=2, precision="bf16"),
                 "pp2_bf16": dict(targets=SUBSET, pp=2, precision="bf16")}
@@ -145,6 +146,8 @@ def lora_suite(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict
         merged = _merged_dicts(_gather_obj(w.hf_state_dict()))
         checks["base_unchanged"] = all(torch.equal(p, base[n]) for n, p in w.gpt.named_parameters()
                                        if ".lora." not in n)
+        if name in RESUMED:
+            res[f"{name}_resume"] = _resume(w, rank, world_size, model_dir, targets, kw, f"{out_dir}/ckpt_{name}")
         peft_dir = w.save_adapter(f"{out_dir}/{name}") if name in PEFT_EXPORTS else None
         res[name] = {"ref": "all" if targets == ALL else "subset", "checks": _gather_obj(checks),
                      "peft_dir": peft_dir,
@@ -158,3 +161,28 @@ def _hf_names(targets):
     from megatron_rl.models.lora_targets import TARGETS
 
     return list(TARGETS) if targets == ALL else targets
+
+
+def _resume(w, rank, world_size, model_dir, targets, kw, ckpt):
+    """save; a second step on w vs a fresh worker that loads the checkpoint and takes the same step."""
+    from megatron_rl.models.checkpoint import read_metadata
+    from megatron_rl.models.lora import adapter_state
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    b2 = make_batch(vocab, seed=2)
+    w.save(ckpt, extra={"data_position": 3})
+    meta = read_metadata(ckpt)
+    m_a = _gather_obj(w.train(b2, pg_loss, temperature=TEMP))
+    a = _merged_dicts(_gather_obj(adapter_state(w.lora)))
+    w2 = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, targets, **kw))
+    w2.setup()
+    extra = w2.load(ckpt)
+    m_b = _gather_obj(w2.train(b2, pg_loss, temperature=TEMP))
+    b = _merged_dicts(_gather_obj(adapter_state(w2.lora)))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = sorted(FileSystemReader(f"{ckpt}/dist").read_metadata().state_dict_metadata)
+    return {"a": a, "b": b, "m_a": [m for m in m_a if m][0]["metrics"], "m_b": [m for m in m_b if m][0]["metrics"],
+            "extra": extra, "adapters": meta["adapters"], "keys": keys,
+            "steps": (w.step, w2.step)}

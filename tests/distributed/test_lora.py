@@ -127,3 +127,21 @@ def test_peft_folder_loads_onto_the_base_and_gives_the_merged_logits(results, la
     torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
     with torch.no_grad(), peft_model.disable_adapter():  # and the adapters matter
         assert (peft_model(x).logits - a).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("layout", lora_bodies.RESUMED)
+def test_adapter_checkpoint_resumes_exactly(results, layout):
+    """The checkpoint holds the adapters (and their Adam state) plus a pointer to the base; a fresh worker that loads
+    it takes the next step exactly as the uninterrupted one."""
+    r = results[f"{layout}_resume"]
+    assert r["steps"] == (2, 2) and r["extra"] == {"data_position": 3}
+    assert r["adapters"]["base"] == results["model_dir"] and r["adapters"]["lora"]["rank"] == lora_bodies.RANK
+    # no base weight in it: every model tensor is an adapter (the optimizer's state, flattened per DDP bucket by
+    # the dp_reshardable layout, covers only the adapters: the base has no buckets)
+    model = [k for k in r["keys"] if not k.startswith("optimizer.") and not k.endswith("_extra_state")]
+    assert model and all(".lora." in k for k in model), [k for k in model if ".lora." not in k]
+    assert any(k.startswith("optimizer.") for k in r["keys"])
+    assert r["m_a"] == r["m_b"]
+    assert set(r["a"]) == set(r["b"])
+    for k in r["a"]:
+        assert torch.equal(r["a"][k], r["b"][k]), k
