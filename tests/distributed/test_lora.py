@@ -18,7 +18,7 @@ def results(tmp_path_factory):
     model_dir = str(write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3))
     out = tmp_path_factory.mktemp("peft")
     return {**run_distributed(lora_bodies.lora_suite, 2, args=(model_dir, str(out)), timeout=900)[0],
-            "model_dir": model_dir}
+            "model_dir": model_dir, "out_dir": str(out)}
 
 
 def _ref(results, layout):
@@ -145,3 +145,23 @@ def test_adapter_checkpoint_resumes_exactly(results, layout):
     assert set(r["a"]) == set(r["b"])
     for k in r["a"]:
         assert torch.equal(r["a"][k], r["b"][k]), k
+
+
+def test_convert_megatron_to_hf_merges_an_adapter_checkpoint_or_writes_its_peft_folder(results, tmp_path):
+    """`megatron-rl convert megatron-to-hf` on the TP=2 adapter checkpoint (saved after the first step): the merged
+    HF weights equal the worker's merged export at that step; --peft writes the adapters in PEFT's names."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.weights import convert
+
+    ckpt = f"{results['out_dir']}/ckpt_tp2"
+    assert convert.main(["megatron-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "merged"), "--tp", "2"]) == 0
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    want = results["tp2"]["merged"]
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k].float(), v.float(), atol=1e-6, rtol=1e-6, msg=lambda s: f"{k}: {s}")
+    assert convert.main(["megatron-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "peft"), "--peft"]) == 0
+    saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert set(saved) == set(results["tp2"]["after"])
+    assert all(torch.equal(saved[k], v) for k, v in results["tp2"]["after"].items())
