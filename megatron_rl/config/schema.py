@@ -45,6 +45,17 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the policy (docs/lora.md): only they train; the KL reference is the base with them off."""
+    rank: int = 16
+    alpha: float = 32.0  # the adapter's product is scaled by alpha / rank, as in PEFT
+    dropout: float = 0.0  # on the adapter's input only (the base path never drops)
+    # HF projection names as in PEFT (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
+    # "all-linear" (all of them; attention only on MoE models, whose experts take no adapters)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+@dataclass
 class PolicyConfig:
     model: str = "default"  # HF folder; "default" = the embedded SmolLM2-135M-Instruct prepared by setup_env.sh
     tokenizer: Optional[str] = None  # default: the model folder
@@ -77,6 +88,7 @@ class PolicyConfig:
     # the lm_head fused into the logprob/entropy kernel (kernels/linear.py): logits exist one [rows, cols] block at a
     # time, never as [tokens, vocab] with their gradient. false: the output layer's logits, then the logprob kernel
     fused_lm_head: bool = True
+    lora: Optional[LoraConfig] = None  # None: full fine-tuning
     seed: int = 42
 
 

@@ -151,7 +151,8 @@ def _fsync_write(path: Path, text: str) -> None:
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_state: dict | None = None,
                     extra_sharded_state: dict | None = None, hf_config: dict | None = None,
-                    hf_dir: str | os.PathLike | None = None, tokenizer_path: str | None = None) -> Path:
+                    hf_dir: str | os.PathLike | None = None, tokenizer_path: str | None = None,
+                    adapters: dict | None = None) -> Path:
     """Save `model` (this rank's GPTModel, possibly wrapped) and extras atomically to ckpt_dir; collective.
 
     extra_sharded_state: more megatron sharded state saved in the same dist checkpoint next to {"model": ...}: a dict,
@@ -159,6 +160,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
     (megatron optimizers map their state through the model's sharded tensors). extra_state: plain picklable-as-weights state saved by rank 0.
     hf_dir: an HF folder whose config, generation config and tokenizer files are copied into `hf/`.
     An existing checkpoint at ckpt_dir is replaced only once the new one is complete.
+    adapters: a LoRA run's {"lora": policy.lora as a dict, "base": the base HF folder}: only the model's adapter
+    tensors are saved (`model_keys`), and metadata.json records the section and the pointer to the base.
     """
     from megatron.core import dist_checkpointing, parallel_state as ps
 
@@ -175,7 +178,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
         (tmp / DIST_DIR).mkdir()
     tmp = Path(_bcast(str(tmp) if tmp else None))
     try:
-        sharded = {"model": gpt.sharded_state_dict()}
+        sharded = {"model": model_keys(gpt.sharded_state_dict(), adapters is not None)}
         if callable(extra_sharded_state):  # e.g. lambda model_sd: {"optimizer": opt.sharded_state_dict(model_sd)}
             extra_sharded_state = extra_sharded_state(sharded["model"])
         for k, v in (extra_sharded_state or {}).items():
@@ -210,6 +213,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
                            "pp": ps.get_pipeline_model_parallel_world_size(),
                            "ep": ps.get_expert_model_parallel_world_size(), "world_size": world},
                 "extra_sharded_keys": sorted(extra_sharded_state or {}),
+                "adapters": adapters,
                 "files": files,
             }
             _fsync_write(tmp / METADATA, json.dumps(meta, indent=2) + "\n")
@@ -277,6 +281,14 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike, meta: dict | None = None) -> 
     return meta
 
 
+ADAPTER_KEY = ".lora."  # in the name of every LoRA adapter tensor (models/lora.py)
+
+
+def model_keys(sharded: dict, only_adapters: bool) -> dict:
+    """The model's sharded state, or its LoRA adapters only (the frozen base is its HF folder, never saved)."""
+    return {k: v for k, v in sharded.items() if ADAPTER_KEY in k} if only_adapters else sharded
+
+
 def load_checkpoint(ckpt_dir: str | os.PathLike, model, *, extra_sharded_state: dict | None = None,
                     verify: bool = True, strict: bool = True) -> dict:
     """Load a checkpoint into `model` (any TP/PP layout); collective. Returns
@@ -290,13 +302,15 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, model, *, extra_sharded_state: 
     root = Path(ckpt_dir)
     meta = verify_checkpoint(root) if verify else read_metadata(root)
     gpt = unwrap_model(model)
-    sharded = {"model": gpt.sharded_state_dict()}
+    only_adapters = meta.get("adapters") is not None
+    sharded = {"model": model_keys(gpt.sharded_state_dict(), only_adapters)}
     if callable(extra_sharded_state):
         extra_sharded_state = extra_sharded_state(sharded["model"])
     sharded.update(extra_sharded_state or {})
     loaded = dist_checkpointing.load(sharded, str(root / DIST_DIR))
     missing, unexpected = gpt.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    # an adapter checkpoint leaves the base as loaded from its HF folder (the caller's model has it)
+    missing = [k for k in missing if not k.endswith("_extra_state") and (not only_adapters or ADAPTER_KEY in k)]
     if strict and (missing or unexpected):
         raise CheckpointError(f"{root / DIST_DIR}: model keys do not match (missing={missing}, "
                               f"unexpected={unexpected})")

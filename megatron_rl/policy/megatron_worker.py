@@ -42,6 +42,7 @@ from megatron_rl.policy import batching, identity_collectives, packing
 from megatron_rl.policy.grad_ops import (clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
                                         use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
+from megatron_rl.models.lora import adapters_disabled, install_lora
 from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.weights_out import WeightsOut
@@ -107,6 +108,8 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
             for p in gpt.parameters():
                 p.data = p.data.to(self.dtype)
         load_hf_into_model(gpt, HFCheckpoint(self.model_dir))
+        # adapters (models/lora.py) before DDP: it must see the frozen base to give it no gradient buffers
+        self.lora = install_lora(gpt, cfg.lora, hf_config, cfg.seed) if cfg.lora is not None else None
         self.spec = gpt.megatron_rl_spec
         tcfg = gpt.config
         self.shared_prefix = self._enable_shared_prefix(gpt)
@@ -130,8 +133,9 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         identity_collectives.install()  # DP=1: no whole-model gradient/parameter copies per step
         tcfg.finalize_model_grads_func = finalize_model_grads
         self._build_optimizer()
-        # Reference policy for KL: the initial weights, host-resident (no extra device memory while training).
-        self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+        # Reference policy for KL: the initial weights, host-resident (no extra device memory while training);
+        # with LoRA the base itself, adapters off (no copy)
+        self.ref_weights = self._weights_copy()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -139,7 +143,13 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         self.is_output_rank = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         return {"rank": self.rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": self.dp_rank,
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_size": self.dp_size,
-                "num_params": sum(p.numel() for p in self.gpt.parameters())}
+                "num_params": sum(p.numel() for p in self.gpt.parameters()),
+                "trainable_params": sum(p.numel() for p in self.gpt.parameters() if p.requires_grad)}
+
+    def _weights_copy(self) -> dict[str, torch.Tensor] | None:
+        if self.lora is not None:
+            return None
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
 
     def _enable_shared_prefix(self, gpt) -> bool:
         """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""
@@ -259,6 +269,9 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
 
     def reference_logprobs(self, batch: RolloutBatch, temperature: float = 1.0):
         self._require_resident("compute reference logprobs")
+        if self.lora is not None:
+            with adapters_disabled(self.lora):
+                return self.logprobs(batch, temperature)
         current = self._swap_weights(self.ref_weights)
         try:
             return self.logprobs(batch, temperature)
@@ -382,9 +395,12 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
                        "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
                        "driver": extra or {}}
         opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), metadata=_OPT_CKPT_META)
+        # LoRA: the adapters and a pointer to the base (models/checkpoint.py)
+        adapters = None if self.lora is None else {"lora": vars(self.cfg.lora), "base": str(self.model_dir)}
         try:
             return str(save_checkpoint(path, self.gpt, step=self.step, extra_state=extra_state,
-                                       extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir))
+                                       extra_sharded_state={"optimizer": opt_sd}, hf_dir=self.model_dir,
+                                       adapters=adapters))
         finally:
             del opt_sd
             get_platform().trim_host_heap()  # the save's staging copies: freed, but not left resident
@@ -412,13 +428,13 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
 
     def load_weights(self, path: str) -> None:
         """Model weights only (stage chains: the next stage starts from the previous stage's final weights with a
-        fresh optimizer); they also become this stage's KL reference."""
+        fresh optimizer); they also become this stage's KL reference (with LoRA the base stays the reference)."""
         from megatron_rl.models.checkpoint import load_checkpoint
 
         self._require_resident("load weights")
         load_checkpoint(path, self.gpt)
         self.optimizer.reload_model_params()  # fp32 main params / distributed shards follow the loaded weights
-        self.ref_weights = {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
+        self.ref_weights = self._weights_copy()
 
     def _has_optimizer_state(self) -> bool:
         return any(len(o.state) for o in torch_optimizers(self.optimizer))

@@ -36,7 +36,12 @@ class WeightsOut:
         bucket, size = [], 0
         # tensors stay on the device: the transport decides where bytes go (CUDA IPC shares device buffers, shared
         # memory copies to host); a host round trip here would cost two copies of the model per refit on GPU
-        for name, t in iter_hf_tensors(self.gpt, self.spec, dtype=dtype):
+        items = iter_hf_tensors(self.gpt, self.spec, dtype=dtype)
+        if getattr(self, "lora", None):  # the engine serves the merged model: W + (alpha / r) B A (models/lora.py)
+            from megatron_rl.models.lora import merged_hf_tensors
+
+            items = merged_hf_tensors(self.lora, items)
+        for name, t in items:
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= bucket_bytes:
@@ -167,6 +172,25 @@ class WeightsOut:
         sender, self._refit_sender = getattr(self, "_refit_sender", None), None
         if sender is not None:
             sender.close()
+
+    def save_adapter(self, out_dir: str) -> str | None:
+        """The LoRA adapters as a PEFT folder (models/peft_folder.py) pointing at the base model; collective over
+        all ranks (each stage's adapters go to global rank 0, which writes and returns the path)."""
+        import torch.distributed as dist
+
+        from megatron_rl.models.lora import adapter_state
+        from megatron_rl.models.peft_folder import write_peft_folder
+
+        if getattr(self, "lora", None) is None:
+            raise ValueError("save_adapter() needs policy.lora (this policy trains every weight)")
+        state = adapter_state(self.lora)  # collective over TP
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, state if self._is_exporter() else None)  # small: rank-r matrices only
+        if self.rank != 0:
+            return None
+        merged = {k: v for part in parts if part for k, v in part.items()}
+        names = sorted({t.hf for _, ad in self.lora for t in ad.targets})
+        return str(write_peft_folder(out_dir, merged, self.cfg.lora, names, str(self.model_dir)))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""

@@ -145,9 +145,9 @@ def hf_to_megatron(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, ep: int, params_dtype: str,
-              out_dtype: str, max_shard_bytes: int):
+              out_dtype: str, max_shard_bytes: int, peft: bool = False):
     ps = _init_worker(tp, pp, ep)
-    from megatron_rl.models.checkpoint import checkpoint_hf_config, load_checkpoint
+    from megatron_rl.models.checkpoint import checkpoint_hf_config, load_checkpoint, read_metadata
     from megatron_rl.models.hf_io import resolve_dtype, write_safetensors_parts
     from megatron_rl.models.mapping import iter_hf_tensors
     from megatron_rl.models.provider import build_model
@@ -155,13 +155,25 @@ def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, ep: 
     t0 = time.perf_counter()
     model = build_model(checkpoint_hf_config(ckpt), params_dtype=resolve_dtype(params_dtype), init_weights=False,
                         layer_spec="local")
+    adapters = _with_adapters(model, read_metadata(ckpt).get("adapters"), checkpoint_hf_config(ckpt))
     load_checkpoint(ckpt, model, verify=False)  # verified once before the ranks started
     t1 = time.perf_counter()
+    writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    if peft:  # the adapters only (collective over TP), written by the coordinator
+        from megatron_rl.models.lora import adapter_state
+
+        state = adapter_state(adapters)
+        return {"rank": rank, "pp_rank": ps.get_pipeline_model_parallel_rank(), "parts": [],
+                "adapters": state if writer else None, "load_s": t1 - t0, "write_s": 0.0}
     tensors = iter_hf_tensors(model, dtype=resolve_dtype(out_dtype))
+    if adapters is not None:  # an adapter checkpoint exports the merged model, W + (alpha / r) B A
+        from megatron_rl.models.lora import merged_hf_tensors
+
+        tensors = merged_hf_tensors(adapters, tensors)
     parts = []
     # one writer per pipeline stage; the other TP (and EP) ranks only gather: iter_hf_tensors hands every rank of the
     # stage all experts, so the writer writes each once, under the HF per-expert names
-    if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+    if writer:
         parts = write_safetensors_parts(tensors, Path(tmp), f"part-pp{ps.get_pipeline_model_parallel_rank():04d}",
                                         max_shard_bytes)
     else:
@@ -172,6 +184,20 @@ def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, ep: 
               "load_s": t1 - t0, "write_s": t2 - t1}
     ps.destroy_model_parallel()
     return result
+
+
+def _with_adapters(model, adapters: dict | None, hf_config: dict):
+    """A LoRA checkpoint (metadata.json's `adapters`) holds only the adapters: the base comes from its HF folder,
+    then the adapters are added for the checkpoint to fill. None for a full checkpoint."""
+    if adapters is None:
+        return None
+    from megatron_rl.config.schema import LoraConfig
+    from megatron_rl.models.hf_io import HFCheckpoint
+    from megatron_rl.models.lora import install_lora
+    from megatron_rl.models.mapping import load_hf_into_model
+
+    load_hf_into_model(model, HFCheckpoint(adapters["base"]))
+    return install_lora(model, LoraConfig(**adapters["lora"]), hf_config, seed=0)
 
 
 def resolve_checkpoint(path) -> Path:
@@ -199,10 +225,11 @@ def _export_config(hf_config: dict, out_dtype: str) -> dict:
 
 
 def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str = "auto",
-                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, verify: bool = True) -> dict:
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, verify: bool = True, peft: bool = False) -> dict:
     """Export a megatron-rl checkpoint to a normal HF folder `out`: config.json, safetensors (shards of at most
     max_shard_bytes with model.safetensors.index.json when there is more than one), the tokenizer and chat template,
-    generation_config.json and a README.md model card (`weights/model_card.py`)."""
+    generation_config.json and a README.md model card (`weights/model_card.py`). A LoRA checkpoint exports the
+    merged model, or with peft=True a PEFT adapter folder (models/peft_folder.py) for its base."""
     from megatron_rl.models.checkpoint import HF_DIR, read_metadata, verify_checkpoint
     from megatron_rl.models.hf_io import (copy_tokenizer_files, dtype_name, finalize_safetensors, publish_permissions,
                                           resolve_dtype)
@@ -216,6 +243,12 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
         raise ConversionError(f"{ckpt}/metadata.json records no HF config; cannot export")
     spec = model_spec(meta["hf_config"])
     spec.validate_parallel(tp, pp, ep)
+    lora = meta.get("adapters")
+    if peft and lora is None:
+        raise ConversionError(f"--peft: {ckpt} is a full checkpoint, not a LoRA one (policy.lora): it has no adapters")
+    if lora is not None and not (Path(lora["base"]) / "config.json").is_file():
+        raise ConversionError(f"{ckpt} holds LoRA adapters for the base model {lora['base']}, which is not there "
+                              "(no config.json)")
     params_dtype = meta.get("params_dtype") or spec.dtype
     out_dtype = dtype_name(resolve_dtype(spec.dtype if dtype == "auto" else dtype))
     tmp = None
@@ -232,9 +265,20 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
         tmp = box[0]
     try:
         ranks = _launch(_m2h_body, tp * pp * ep,
-                        (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes)))
+                        (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes), peft))
         files = []
-        if _is_coordinator():
+        if _is_coordinator() and peft:
+            from megatron_rl.config.schema import LoraConfig
+            from megatron_rl.models.lora_targets import resolve_targets
+            from megatron_rl.models.peft_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_folder
+
+            state = {k: v for r in ranks if r.get("adapters") for k, v in r["adapters"].items()}
+            names = [t.hf for t in resolve_targets(lora["lora"]["target_modules"], meta["hf_config"])]
+            write_peft_folder(tmp, state, LoraConfig(**lora["lora"]), names, lora["base"])
+            files = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+            publish_permissions(Path(tmp))
+            os.replace(tmp, out)
+        elif _is_coordinator():
             tmp_path = Path(tmp)
             parts = [p for r in sorted(ranks, key=lambda r: r["pp_rank"]) for p in r["parts"]]
             files = finalize_safetensors(tmp_path, parts)
@@ -310,6 +354,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1e9,
                    help="largest safetensors file, in GB (more files get model.safetensors.index.json)")
     b.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    b.add_argument("--peft", action="store_true",
+                   help="a LoRA checkpoint: write its adapters as a PEFT folder (adapter_config.json + "
+                        "adapter_model.safetensors) instead of the merged model")
     for x in (a, b):
         x.add_argument("--tp", type=int, default=1, help="tensor-parallel processes doing the work")
         x.add_argument("--pp", type=int, default=1, help="pipeline-parallel processes doing the work")
@@ -329,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                                      step=args.step)
         else:
             summary = megatron_to_hf(args.ckpt, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                                     max_shard_bytes=int(args.max_shard_gb * 1e9), verify=not args.no_verify)
+                                     max_shard_bytes=int(args.max_shard_gb * 1e9), verify=not args.no_verify,
+                                     peft=args.peft)
     except (UnsupportedModelError, WeightsError, CheckpointError, ConversionError, FileExistsError,
             FileNotFoundError, ValueError) as e:
         print(f"megatron-rl convert: error: {e}", file=sys.stderr)

@@ -1,0 +1,62 @@
+"""policy.lora in the config: defaults, YAML, and bad settings as one-line errors naming the key."""
+import pytest
+
+from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config.schema import LoraConfig, PolicyConfig
+from megatron_rl.models.lora_targets import ATTENTION, TARGETS, resolve_targets
+from megatron_rl.models.tiny import tiny_hf_config, write_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {k: write_tiny_hf_model(root / k, k) for k in ("qwen2", "qwen3_moe", "mixtral")}
+
+
+def _load(tmp_path, model, lora: str):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"policy: {{model: {model}, lora: {lora}}}\n")
+    return load_config(p)
+
+
+def test_off_by_default_and_defaults_in_one_place(tmp_path, models):
+    assert PolicyConfig().lora is None
+    cfg = _load(tmp_path, models["qwen2"], "{}")
+    assert cfg.policy.lora == LoraConfig()
+    assert cfg.policy.lora.target_modules == ["all-linear"]
+    cfg = _load(tmp_path, models["qwen2"], "{rank: 8, alpha: 16, target_modules: [q_proj, v_proj]}")
+    assert (cfg.policy.lora.rank, cfg.policy.lora.alpha, cfg.policy.lora.target_modules) == (8, 16.0,
+                                                                                             ["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("model, lora, match", [
+    ("qwen2", "{rank: 0}", r"^policy\.lora\.rank must be >= 1, got 0$"),
+    ("qwen2", "{rank: -4}", r"^policy\.lora\.rank must be >= 1"),
+    ("qwen2", "{alpha: 0}", r"^policy\.lora\.alpha must be > 0"),
+    ("qwen2", "{dropout: 1.0}", r"^policy\.lora\.dropout must be in \[0, 1\)"),
+    ("qwen2", "{target_modules: [q_proj, lm_head]}", r"^policy\.lora\.target_modules: 'lm_head' is no linear layer"),
+    ("qwen2", "{target_modules: [qkv_proj]}", r"^policy\.lora\.target_modules: 'qkv_proj' is no linear layer"),
+    ("qwen2", "{target_modules: []}", r"^policy\.lora\.target_modules is empty"),
+    ("qwen3_moe", "{target_modules: [q_proj, gate_proj]}",
+     r"^policy\.lora\.target_modules: 'gate_proj' is an expert projection of this mixture-of-experts model"),
+    ("mixtral", "{target_modules: [w1]}", r"^policy\.lora\.target_modules: 'w1' is an expert projection"),
+    ("qwen2", "{rnak: 4}", r"unknown key 'policy\.lora\.rnak'"),
+])
+def test_bad_settings_are_one_line_errors_naming_the_key(tmp_path, models, model, lora, match):
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, models[model], lora)
+    msg = str(e.value).split(": ", 1)[1] if str(e.value).startswith(str(tmp_path)) else str(e.value)
+    assert "\n" not in str(e.value)
+    assert __import__("re").search(match, msg), str(e.value)
+
+
+def test_target_resolution_follows_peft_names():
+    dense = tiny_hf_config("qwen2")
+    assert [t.hf for t in resolve_targets(["all-linear"], dense)] == list(TARGETS)
+    assert [t.hf for t in resolve_targets("all-linear", dense)] == list(TARGETS)
+    # PEFT's all-linear on an MoE model adapts its dense linears: here the attention (experts take none)
+    assert [t.hf for t in resolve_targets(["all-linear"], tiny_hf_config("qwen3_moe"))] == list(ATTENTION)
+    got = resolve_targets(["v_proj", "q_proj", "down_proj"], dense)
+    assert [(t.hf, t.module, t.kind, t.slot) for t in got] == [
+        ("q_proj", "self_attention.linear_qkv", "column", 0), ("v_proj", "self_attention.linear_qkv", "column", 2),
+        ("down_proj", "mlp.linear_fc2", "row", 0)]
