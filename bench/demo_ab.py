@@ -5,6 +5,7 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare async ...
     .venv/bin/python bench/demo_ab.py --compare packing ...
     .venv/bin/python bench/demo_ab.py --compare fused_head ...
+    .venv/bin/python bench/demo_ab.py --compare lora [--lora-lr 2e-4] [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
@@ -19,6 +20,8 @@ override turns it on (`grpo.val_every=10`: then each run's learning curve is pri
   through megatron's unfused attention (policy.packing=none) vs one packed THD row per micro-batch with cascade
   attention on torch's fused kernel (policy.packing=varlen); also shows what each does to the generator/trainer
   mismatch metrics.
+- lora: full fine-tuning vs LoRA adapters (rank 32, alpha 64, all-linear; `--lora-lr`, default 2e-4, 10x the
+  demo's LR): trainer peak memory, step time (training, refit) and, with validation on, accuracy by step and minute.
 - fused_head: the lm_head's logits formed, then the logprob kernel (policy.fused_lm_head=false) vs the lm_head fused
   into it (the default; kernels/linear.py): what never forming [tokens, vocab] costs or saves in step time.
 --smoke: both variants of --compare for one step each (no warm-up dropped) through the same `build.run` on a tiny
@@ -51,6 +54,10 @@ COMPARISONS = {
                 "bf16 cascade (packing=varlen)": ["policy.precision=bf16", "policy.packing=varlen"]},
     "fused_head": {"logits formed (fused_lm_head=false)": ["policy.fused_lm_head=false"],
                    "fused lm_head (the default)": ["policy.fused_lm_head=true"]},
+    # LoRA's usual LR is ~10x full fine-tuning's (the adapters start at zero and are few); --lora-lr sets it
+    "lora": {"full fine-tuning": [],
+             "LoRA (rank 32, all-linear)": ["policy.lora.rank=32", "policy.lora.alpha=64",
+                                            "policy.lora.target_modules=[all-linear]"]},
 }
 
 
@@ -73,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     ap.add_argument("--smoke", action="store_true", help="one tiny step per variant on a tiny random model")
+    ap.add_argument("--lora-lr", type=float, default=2e-4, help="--compare lora: the LoRA run's policy.optimizer.lr")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     tiny = tempfile.TemporaryDirectory()
@@ -85,15 +93,19 @@ def main(argv=None) -> int:
                           "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", *args.overrides]
     keys = ("time_step_s", "time_generate_s", "time_train_s", "time_logprobs_s", "time_refit_s",
             "time_handover_s", "time_wait_rollout_s", "generate_flops_per_s", "train_flops_per_s", "tokens_per_s",
-            "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error")
+            "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error", "policy_peak_memory_gb")
     rows, curves = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(COMPARISONS[args.compare].items()):
+            if args.compare == "lora" and extra:
+                extra = extra + [f"policy.optimizer.lr={args.lora_lr}"]
             recs, wall = run_mode(extra + list(args.overrides), args.steps, Path(tmp) / f"m{i}")
             steady = [r for r in recs if "time_step_s" in r][args.warmup:]
             rows[name] = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in keys}
             rows[name]["wall_s"] = wall
             rows[name]["staleness"] = max(r.get("staleness_max", 0) for r in recs if "time_step_s" in r)
+            # the peak so far, so the run's is its last step's
+            rows[name]["policy_peak_memory_gb"] = max((r.get("policy_peak_memory_gb") or 0.0) for r in recs)
             curves[name] = [(r["step"], r["val_accuracy"], r.get("time_since_start_s", 0.0) / 60)
                             for r in recs if "val_accuracy" in r]
     print(f"{'median over steps ' + str(args.warmup + 1) + '..' + str(args.steps):<40}" +

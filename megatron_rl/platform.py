@@ -108,6 +108,15 @@ class Platform:
         elif _host_memory_short():
             _malloc_trim()
 
+    def peak_memory_bytes(self) -> int:
+        """The most memory this process has held so far: on GPU torch's allocator peak on this device, on CPU the
+        process's peak resident set (Linux reports ru_maxrss in KiB); the trainer logs it with each step."""
+        if self.is_gpu:
+            return torch.cuda.max_memory_allocated()
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
     def trim_host_heap(self) -> None:
         """Hand every free page of this process's C heap back to the system (glibc `malloc_trim(0)`), after work
         whose transient allocations should not stay resident: a checkpoint save's staging copies, a released

@@ -141,6 +141,7 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     rec.update({
         "loss": m.get("loss"), "kl": m.get("kl", 0.0), "entropy": m.get("entropy"), "clip_frac": m.get("clip_frac"),
         "grad_norm": m.get("grad_norm"), "lr": m.get("lr"), "num_optimizer_steps": len(results),
+        "policy_peak_memory_gb": m.get("policy_peak_memory_gb"),
         "token_mult_prob_error": mm["token_mult_prob_error"], "gen_kl_error": mm["gen_kl_error"],
         "response_len_mean": sum(batch.response_lens()) / len(batch),
         "num_sequences_trained": sum(len(p) for p in parts),

@@ -22,8 +22,8 @@ from __future__ import annotations
 from megatron_rl.config.schema import Config
 from megatron_rl.policy.interface import RolloutBatch
 
-# loss-function metrics that are the step's value as they stand (left-out tokens contribute exactly 0 to them)
-_STEP_VALUES = {"loss", "pg_loss", "grad_norm", "lr", "num_tokens_fed"}
+# worker metrics that are the step's value as they stand (left-out tokens contribute exactly 0 to them)
+_STEP_VALUES = {"loss", "pg_loss", "grad_norm", "lr", "num_tokens_fed", "policy_peak_memory_gb"}
 _SEQ_SHARES = {"is_masked_seq_frac"}
 
 

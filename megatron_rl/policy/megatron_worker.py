@@ -344,7 +344,8 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         metrics = self._sum_metrics(reduced_list)
         skipped, grad_norm = self._optimizer_step()
         self.consumed_samples += len(batch)
-        metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]))
+        metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]),
+                       policy_peak_memory_gb=get_platform().peak_memory_bytes() / 2**30)
         if not self.is_output_rank:
             return None
         return {"metrics": metrics, "logprobs": own_lp, "skipped": skipped}

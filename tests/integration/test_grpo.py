@@ -13,7 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT_KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "entropy", "clip_frac", "grad_norm", "lr",
                  "token_mult_prob_error", "gen_kl_error", "response_len_mean", "num_tokens", "tokens_per_s",
-                 "time_generate_s", "time_logprobs_s", "time_train_s", "time_refit_s", "time_step_s"}
+                 "time_generate_s", "time_logprobs_s", "time_train_s", "time_refit_s", "time_step_s",
+                 "policy_peak_memory_gb"}
 
 
 def train(out: Path, model: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
