@@ -36,10 +36,12 @@ class Platform:
     @property
     def default_packing(self) -> str:
         """`policy.packing: auto`. GPU: varlen. With shared_prefix (the default) and packing none every group row
-        carries an explicit block mask, which sends attention through the unfused O(s^2) path (transformer-engine
-        and megatron's local spec alike); varlen rows stay on fused kernels (TE's THD attention, cascade rows on
-        torch's). CPU: none, where the block-mask rows trained as fast as cascade rows at the demo's shape
-        (bench/demo_ab.py --compare packing, 0.87-0.98x, 2026-11-30, 2 cores) and are what the demo was tuned on."""
+        carries an explicit block mask, which transformer-engine runs through its unfused O(s^2) attention; varlen
+        rows stay on fused kernels (TE's THD attention, cascade rows on torch's). CPU: none, where the block-mask
+        rows trained as fast as cascade rows at the demo's shape (bench/demo_ab.py --compare packing, 0.87-0.98x,
+        2026-11-30, 2 cores) and are what the demo was tuned on; megatron's local spec hands them to torch's fused
+        attention with the mask (models/varlen_attention.dense_attention), so they no longer hold [b, h, s, s]
+        scores in every layer either."""
         return "varlen" if self.is_gpu else "none"
 
     @property
