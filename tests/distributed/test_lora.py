@@ -42,8 +42,11 @@ def test_step_equals_peft_adamw(results, layout):
     assert set(r["grads"]) == set(ref["grads"]) == set(r["after"])
     # DDP's gradient buffer holds the whole gradient at DP=1; at DP=2 the distributed optimizer's reduce-scatter
     # leaves each rank only its shard of the sum (the norm above and the update below cover that layout)
+    # atol 5e-6: the trainer's attention is torch's flash kernel (models/varlen_attention.dense_attention), the
+    # reference HF's eager softmax; fp32 sums in another order put 2 of q_proj's 512 lora_B entries 2.25e-6 apart
+    # at TP=2 (2026-12-02); a TP layout error (a reduction missed or doubled) moves a gradient by its own size
     for k, g in ref["grads"].items() if results[layout]["checks"][0]["dp"] == 1 else ():
-        torch.testing.assert_close(r["grads"][k], g, atol=1e-6, rtol=1e-5, msg=lambda s: f"{layout} grad {k}: {s}")
+        torch.testing.assert_close(r["grads"][k], g, atol=5e-6, rtol=1e-5, msg=lambda s: f"{layout} grad {k}: {s}")
     for k, v in ref["after"].items():
         torch.testing.assert_close(r["after"][k], v, atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
 
