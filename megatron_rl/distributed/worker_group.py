@@ -138,11 +138,36 @@ class WorkerGroup:
                     who = f"{self.actor_names[rank]} (rank {rank} of {self.name})"
                     if isinstance(e.cause, LifecycleError):  # a call in the wrong phase: the message says it all
                         raise LifecycleError(f"{who}: {e.cause}") from None
+                    dead = self._dead_rank()
+                    if dead is not None:  # the error was the echo of a peer's death: name the one that died
+                        raise WorkerDiedError(
+                            f"{self.actor_names[dead]} (rank {dead} of {self.name}) died; {who} then raised "
+                            f"{type(e.cause).__name__}\n--- last lines of its log ---\n{self.log_tail(dead)}") from None
                     raise RuntimeError(f"{who} raised:\n{e}") from None
             if deadline is not None and time.monotonic() > deadline and pending:
                 waiting = [self.actor_names[ranks[index[r]]] for r in pending]
                 raise TimeoutError(f"{self.name}: no answer within {timeout:.0f}s from {waiting}")
         return results
+
+    def _dead_rank(self, grace: float = 5.0) -> int | None:
+        """The first rank whose actor is dead, else None. When a rank is killed mid-collective its peers' gloo reads
+        fail ("Connection reset by peer") and that task error can reach the driver before Ray reports the death
+        itself; a ping of every actor tells the two apart. Live ranks stuck in a collective may not answer within
+        `grace`: they are not dead, so they do not count."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        pings = [a.pid.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=grace)
+        for rank, ref in enumerate(pings):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError:
+                    return rank
+                except Exception:
+                    pass
+        return None
 
     def call(self, method: str, *args, timeout: float | None = None, **kwargs) -> list[Any]:
         return self.call_ranks(list(range(self.world_size)), method, *args, timeout=timeout, **kwargs)
