@@ -70,3 +70,24 @@ def test_parallel_dims_match_megatron_order():
     assert all(d.rank(**d.coords(r)) == r for r in range(8))
     with pytest.raises(ValueError):
         ParallelDims.from_world(6, tp=4)
+
+
+def test_survivor_error_after_a_death_names_the_dead_rank(ray_cluster, tmp_path):
+    # In a real run a killed rank's peers fail their next gloo read ("Connection reset by peer"), and that task error
+    # can reach the driver before Ray reports the death. Here rank 0's own error arrives while rank 1 is already dead:
+    # the report must name rank 1 (the cause), not rank 0's echo of it.
+    placement = reserve(2)
+    group = WorkerGroup(AllReduceWorker, placement, name="policy", share=0.5, log_dir=str(tmp_path), threads=1)
+    try:
+        victim = group.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        while os.path.exists(f"/proc/{victim}"):
+            time.sleep(0.1)
+        with pytest.raises(WorkerDiedError, match=r"policy-1 \(rank 1 of policy\) died; policy-0 \(rank 0 of policy\) "
+                                                  r"then raised"):
+            group.call_ranks([0], "fail")
+    finally:
+        group.shutdown()
+        import ray
+
+        ray.util.remove_placement_group(placement.pg)
