@@ -157,7 +157,7 @@ class WorkerGroup:
         import ray
         from ray.exceptions import RayActorError
 
-        pings = [a.pid.remote() for a in self.actors]
+        pings = [a.ping.remote() for a in self.actors]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=grace)
         for rank, ref in enumerate(pings):
             if ref in ready:
