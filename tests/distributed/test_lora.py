@@ -38,15 +38,20 @@ def test_forward_equals_peft(results, layout):
 def test_step_equals_peft_adamw(results, layout):
     r, ref = results[layout], _ref(results, layout)
     assert r["metrics"]["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
-    assert r["metrics"]["grad_norm"] == pytest.approx(ref["norm"], rel=1e-5)
+    # rel 5e-5: the same flash-vs-eager attention sums as the gradients below; on a 2-core AMD EPYC the norm came out
+    # 1.14e-5 apart (2.7280921 vs 2.7280610, the same at TP=2, PP=2 and TP=2 without the distributed optimizer, so
+    # not a layout effect; 2026-12-02), while a missed or doubled reduction moves it by tens of percent
+    assert r["metrics"]["grad_norm"] == pytest.approx(ref["norm"], rel=5e-5)
     assert set(r["grads"]) == set(ref["grads"]) == set(r["after"])
     # DDP's gradient buffer holds the whole gradient at DP=1; at DP=2 the distributed optimizer's reduce-scatter
     # leaves each rank only its shard of the sum (the norm above and the update below cover that layout)
     # atol 5e-6: the trainer's attention is torch's flash kernel (models/varlen_attention.dense_attention), the
     # reference HF's eager softmax; fp32 sums in another order put 2 of q_proj's 512 lora_B entries 2.25e-6 apart
-    # at TP=2 (2026-12-02); a TP layout error (a reduction missed or doubled) moves a gradient by its own size
+    # at TP=2 (2026-12-02, Intel Xeon); rtol 5e-5: on AMD EPYC one of k_proj's 256 lora_B entries (0.26) came out
+    # 7.9e-6 (3.0e-5 relative) apart (2026-12-02); a TP layout error (a reduction missed or doubled) moves a gradient
+    # by its own size
     for k, g in ref["grads"].items() if results[layout]["checks"][0]["dp"] == 1 else ():
-        torch.testing.assert_close(r["grads"][k], g, atol=5e-6, rtol=1e-5, msg=lambda s: f"{layout} grad {k}: {s}")
+        torch.testing.assert_close(r["grads"][k], g, atol=5e-6, rtol=5e-5, msg=lambda s: f"{layout} grad {k}: {s}")
     for k, v in ref["after"].items():
         torch.testing.assert_close(r["after"][k], v, atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
 
