@@ -29,6 +29,9 @@ from megatron_rl.distributed.parallel_dims import check_engine_split, check_expe
 # state returns between rollouts; engines on devices of their own take vLLM's own default
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.5
 OWN_DEVICE_GPU_MEMORY_UTILIZATION = 0.9
+# the adapter ranks vLLM 0.32 can serve (its LoRAConfig.max_lora_rank choices): generation.lora_refit=adapter starts
+# the engine with the smallest one >= policy.lora.rank (generation/lora_serving.py)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ConfigError(ValueError):
@@ -268,8 +271,11 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
 
 
 def _validate_lora(cfg: Config) -> None:
-    """policy.lora's numbers (its targets need the model: `validate_against_model`)."""
+    """policy.lora's numbers (its targets need the model: `validate_against_model`), and what an adapter-only refit
+    (generation.lora_refit=adapter) needs."""
     lora = cfg.policy.lora
+    if cfg.generation.lora_refit == "adapter":
+        _validate_adapter_refit(cfg)
     if lora is None:
         return
     if lora.rank <= 0:
@@ -278,6 +284,22 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError(f"policy.lora.alpha must be > 0, got {lora.alpha}")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"policy.lora.dropout must be in [0, 1), got {lora.dropout}")
+
+
+def _validate_adapter_refit(cfg: Config) -> None:
+    lora = cfg.policy.lora
+    if lora is None:
+        raise ConfigError("generation.lora_refit=adapter sends the engines LoRA adapters, but policy.lora is not set "
+                          "(this policy trains every weight): set policy.lora or generation.lora_refit=merged")
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"policy.lora.rank={lora.rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]} "
+                          "(generation.lora_refit=adapter); use generation.lora_refit=merged")
+    if cfg.algorithm == "grpo" and cfg.cluster.colocated and cfg.generation.sleep_level == 2:
+        # level 2 drops the engine's weights while the trainer holds the device; the merged refit rewrites them all,
+        # an adapter refit never sends the base again
+        raise ConfigError("generation.sleep_level=2 discards the engine's base weights at every handover, and "
+                          "generation.lora_refit=adapter never sends them again: set generation.sleep_level=1 "
+                          "(or generation.lora_refit=merged)")
 
 
 def _validate_data(cfg: Config) -> None:

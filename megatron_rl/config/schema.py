@@ -118,6 +118,11 @@ class GenerationConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     threads: Optional[int] = None  # CPU: decode threads (default: all cores in the train loop, where the trainer is
     # idle meanwhile: 4.5 s vs 7.3 s per demo step measured with 2 vs 1; 1 for an engine used on its own)
+    # with policy.lora, what a refit sends the engines. merged: every weight, W + (alpha / r) B A (any transport, any
+    # engine). adapter: the adapters only, served by vLLM's LoRA support on the base weights the engine loaded once
+    # (generation/lora_serving.py, docs/lora.md "Adapter-only refit"). merged until both are measured on a quiet
+    # machine (bench/refit_bench.py --lora RANK)
+    lora_refit: Literal["merged", "adapter"] = "merged"
 
 
 @dataclass

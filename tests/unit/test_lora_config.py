@@ -60,3 +60,38 @@ def test_target_resolution_follows_peft_names():
     assert [(t.hf, t.module, t.kind, t.slot) for t in got] == [
         ("q_proj", "self_attention.linear_qkv", "column", 0), ("v_proj", "self_attention.linear_qkv", "column", 2),
         ("down_proj", "mlp.linear_fc2", "row", 0)]
+
+
+def _load_refit(tmp_path, model, overrides):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"policy: {{model: {model}}}\n")
+    return load_config(p, overrides)
+
+
+def test_adapter_refit_is_off_by_default_and_needs_lora(tmp_path, models):
+    from megatron_rl.config.schema import GenerationConfig
+
+    assert GenerationConfig().lora_refit == "merged"
+    cfg = _load_refit(tmp_path, models["qwen2"], ["policy.lora.rank=8", "generation.lora_refit=adapter",
+                                                  "generation.sleep_level=1"])
+    assert (cfg.generation.lora_refit, cfg.policy.lora.rank) == ("adapter", 8)
+    # engines on devices of their own never sleep: any level goes
+    cfg = _load_refit(tmp_path, models["qwen2"], ["policy.lora.rank=8", "generation.lora_refit=adapter",
+                                                  "cluster.colocated=false"])
+    assert cfg.generation.sleep_level == 2
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["generation.lora_refit=adapter"],
+     r"^generation\.lora_refit=adapter sends the engines LoRA adapters, but policy\.lora is not set"),
+    (["generation.lora_refit=adapter", "policy.lora.rank=8"], r"^generation\.sleep_level=2 discards the engine's base"),
+    (["generation.lora_refit=adapter", "policy.lora.rank=1024", "generation.sleep_level=1"],
+     r"^policy\.lora\.rank=1024: vLLM serves adapters of rank <= 512"),
+    (["generation.lora_refit=fused"], r"generation\.lora_refit"),
+])
+def test_adapter_refit_errors_name_the_key(tmp_path, models, overrides, match):
+    with pytest.raises(ConfigError) as e:
+        _load_refit(tmp_path, models["qwen2"], overrides)
+    msg = str(e.value).split(": ", 1)[1] if str(e.value).startswith(str(tmp_path)) else str(e.value)
+    assert "\n" not in str(e.value)
+    assert __import__("re").search(match, msg), str(e.value)
