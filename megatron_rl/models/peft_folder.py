@@ -26,12 +26,17 @@ def peft_config(lora_cfg, target_names: list[str], base_model: str) -> dict:
 
 def write_peft_folder(out_dir, state: dict[str, torch.Tensor], lora_cfg, target_names: list[str],
                       base_model: str) -> Path:
+    return write_peft_files(out_dir, state, peft_config(lora_cfg, target_names, base_model))
+
+
+def write_peft_files(out_dir, state: dict[str, torch.Tensor], config: dict) -> Path:
+    """The folder from the tensors and adapter_config.json's content (`peft_config`): what an engine serving the
+    adapters by request loads (generation/lora_serving.py)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in sorted(state.items())}, str(out / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora_cfg, target_names, base_model), indent=2,
-                                                 sort_keys=True) + "\n")
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

@@ -63,6 +63,10 @@ class PolicyGroup:
                              "(weights/routing.py)")
         return RefitHandle(handles[0].transport, version, [b for h in handles for b in h.buckets], devices.pop())
 
+    def adapter_update(self) -> dict:
+        """The LoRA adapters for an adapter-only refit (`WeightsOut.adapter_update`: rank 0's answer)."""
+        return next(u for u in self.group.call("adapter_update") if u is not None)
+
     def device_ids(self) -> list[str]:
         """Each rank's device identity, in rank order (fixed for the group's life: asked once)."""
         if getattr(self, "_device_ids", None) is None:

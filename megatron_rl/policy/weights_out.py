@@ -176,13 +176,24 @@ class WeightsOut:
     def save_adapter(self, out_dir: str) -> str | None:
         """The LoRA adapters as a PEFT folder (models/peft_folder.py) pointing at the base model; collective over
         all ranks (each stage's adapters go to global rank 0, which writes and returns the path)."""
+        from megatron_rl.models.peft_folder import write_peft_files
+
+        update = self.adapter_update()
+        return None if update is None else str(write_peft_files(out_dir, update["tensors"], update["config"]))
+
+    def adapter_update(self) -> dict | None:
+        """The LoRA adapters as a PEFT folder's content, on global rank 0 (None elsewhere): {"tensors": PEFT-named
+        full tensors on the CPU, "config": adapter_config.json's}. What `save_adapter` writes and what an
+        adapter-only refit sends the engines (generation.lora_refit=adapter, generation/lora_serving.py).
+        Collective over all ranks: each stage's adapters reach rank 0."""
         import torch.distributed as dist
 
         from megatron_rl.models.lora import adapter_state
-        from megatron_rl.models.peft_folder import write_peft_folder
+        from megatron_rl.models.peft_folder import peft_config
 
         if getattr(self, "lora", None) is None:
-            raise ValueError("save_adapter() needs policy.lora (this policy trains every weight)")
+            raise ValueError("save_adapter() / adapter_update() need policy.lora (this policy trains every weight)")
+        self._require_resident("export the adapters", weights_enough=True)
         state = adapter_state(self.lora)  # collective over TP
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, state if self._is_exporter() else None)  # small: rank-r matrices only
@@ -190,7 +201,7 @@ class WeightsOut:
             return None
         merged = {k: v for part in parts if part for k, v in part.items()}
         names = sorted({t.hf for _, ad in self.lora for t in ad.targets})
-        return str(write_peft_folder(out_dir, merged, self.cfg.lora, names, str(self.model_dir)))
+        return {"tensors": merged, "config": peft_config(self.cfg.lora, names, str(self.model_dir))}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""
