@@ -143,8 +143,13 @@ def build(cfg: Config, out_dir: Path) -> Components:
     cores = os.cpu_count() or 1
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
 
+    lora = None
+    if cfg.generation.lora_refit == "adapter":  # the loader checked that policy.lora is set then
+        from megatron_rl.generation.lora_serving import serving_spec
+
+        lora = serving_spec(cfg.policy.lora, model_dir)
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
-                        sleep_level=cfg.generation.sleep_level)
+                        sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
     engines = []
@@ -156,7 +161,8 @@ def build(cfg: Config, out_dir: Path) -> Components:
         log = str(logs / f"{name}.log")
         options, env = placement.engine_placement(bundles, share)
         actor = ray.remote(GeneratorActor).options(**options, max_restarts=0).remote(
-            cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, gen_threads, env)
+            cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, gen_threads, env,
+            lora)
         engines.append(RemoteGenerator(actor, name, log))
     generator = GeneratorPool(engines)
     generator.pids()  # wait until every engine is up (and fail here, naming the one that cannot start)

@@ -13,7 +13,8 @@ resident at each phase (`memory_plan`, the highest seen); the first prints it (d
 The engine sleeps at `generation.sleep_level` (default 2: its weights are discarded, not copied to host and back,
 since the refit rewrites every one of them). A step that trains nothing skips its refit; under level 2 the engine's
 weights are then gone, so `to_generator` refits them first (the same weights as the same version) while the trainer
-is still resident.
+is still resident. With `generation.lora_refit: adapter` a refit sends the LoRA adapters alone (`_refit_adapter`) and
+the engine's base weights are never sent again, so the loader requires level 1 there.
 
 The trainer's state and the engine's KV cache are never resident together; the engine's weights and the trainer
 are, during the refit only. Checkpoints are written between `to_trainer` and `to_generator` (the trainer's state
@@ -33,8 +34,12 @@ BUCKET_BYTES = 256 << 20  # refit bucket size: large enough to amortise per-buck
 
 
 class Handover:
-    def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int, sleep_level: int):
+    def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int, sleep_level: int,
+                 lora_refit: str = "merged"):
         self.policy, self.generator = policy, generator
+        # generation.lora_refit: "adapter" sends the LoRA adapters only, to engines serving them on their base
+        # weights (generation/lora_serving.py); "merged" streams every weight through the transport
+        self.lora_refit = lora_refit
         self.colocated = colocated
         self.sleep_level = sleep_level
         self._engine_has_weights = True  # False between a level-2 sleep and the next refit
@@ -139,6 +144,9 @@ class Handover:
             self.policy.offload_train_state()
             self.generator.wake_up(["weights"])
         version = self.version if restore else self.version + 1
+        if self.lora_refit == "adapter":
+            self._refit_adapter(version)
+            return time.perf_counter() - t0
         handle = self.policy.send_weights(version, self.transport, self.bucket_bytes,
                                           self.senders if self.colocated else None)
         try:
@@ -157,6 +165,17 @@ class Handover:
         self.version = version
         self._engine_has_weights = True
         return time.perf_counter() - t0
+
+    def _refit_adapter(self, version: int) -> None:
+        """The adapters (rank 0 gathers them, a few MB) through Ray's object store to every engine; nothing is
+        staged on the device, so there is no transport buffer to release."""
+        update = self.policy.adapter_update()
+        if self.colocated:
+            nbytes = sum(t.numel() * t.element_size() for t in update["tensors"].values())
+            self._record("refit", self.policy.memory_report(), refit_buffer_bytes=nbytes)
+        self.generator.load_adapter(update, version)
+        self.version = version
+        self._engine_has_weights = True
 
 
 def describe_memory_plan(plan: dict[str, dict]) -> str:

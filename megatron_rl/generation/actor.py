@@ -17,7 +17,8 @@ from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
 
 class GeneratorActor:
     def __init__(self, cfg: GenerationConfig, model_path: str, max_model_len: int | None, seed: int,
-                 log_path: str | None = None, threads: int | None = None, env: dict | None = None):
+                 log_path: str | None = None, threads: int | None = None, env: dict | None = None,
+                 lora: dict | None = None):
         redirect_output(log_path)
         # the placement's variables (device slot; for TP engines, where vLLM's Ray executor puts its workers),
         # read by vLLM when it builds the engine
@@ -29,7 +30,7 @@ class GeneratorActor:
             # the engine decodes on `cfg.threads` (default 1); the driver decided this actor owns `threads` cores
             # while it generates (CPU phases alternate: the trainer is idle meanwhile)
             cfg = dataclasses.replace(cfg, threads=threads)
-        self.engine = VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed)
+        self.engine = VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed, lora=lora)
         if threads:  # the process's count: refits run on it too
             from megatron_rl.platform import set_cpu_threads
 
@@ -61,6 +62,9 @@ class GeneratorActor:
 
     def receive_weights(self, handle, expected_names=None) -> dict:
         return self.engine.receive_weights(handle, expected_names)
+
+    def load_adapter(self, update, version: int) -> dict:
+        return self.engine.load_adapter(update, version)
 
     def weight_version(self) -> int:
         return self.engine.weight_version
@@ -121,6 +125,10 @@ class RemoteGenerator:
 
     def receive_weights(self, handle, expected_names=None) -> dict:
         return self._call("receive_weights", handle, expected_names)
+
+    def load_adapter(self, update, version: int) -> dict:
+        """Adapter-only refit (generation/lora_serving.py); `update` may be a Ray object ref of the adapters."""
+        return self._call("load_adapter", update, version)
 
     @property
     def weight_version(self) -> int:

@@ -84,6 +84,14 @@ class GeneratorPool:
             stats = self._all("receive_weights", handle, expected_names)
         return {k: max(s[k] for s in stats) for k in stats[0] if isinstance(stats[0][k], (int, float))}
 
+    def load_adapter(self, update: dict, version: int) -> dict:
+        """Adapter-only refit: every engine serves the adapters `update` as `version` (one object-store copy of
+        them, shared by the engines)."""
+        import ray
+
+        stats = self._all("load_adapter", ray.put(update), version)
+        return {k: max(s[k] for s in stats) for k in stats[0] if isinstance(stats[0][k], (int, float))}
+
     @property
     def weight_version(self) -> int:
         return self._agree(self._all("weight_version"), "weight version")

