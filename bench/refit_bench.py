@@ -7,13 +7,18 @@ receives all of it, then loads), next to the same baselines.
 Generation: vLLM vs transformers `generate` on the same prompts (P prompts x N samples x L new tokens, T=1).
 
     .venv/bin/python bench/refit_bench.py [--model DIR] [--refits 3] [--bucket-mb 128] [--prompts 8 --samples 8
-                                           --tokens 32] [--threads 1 2] [--skip-hf] [--smoke]
+                                           --tokens 32] [--threads 1 2] [--skip-hf] [--smoke] [--lora RANK]
 
 --smoke: every part (shared-memory refits, collective refits, vLLM and transformers generate) on a tiny random
 Llama (bench/smoke_model.py): 2 refits of each kind (the medians skip the first), 2 prompts x 2 samples x 4 tokens,
 1 thread; exits non-zero unless each part ran and the engine's greedy tokens after the refits (which send it the
 weights it started with) are the ones before them, printing the same report (CI runs it:
 tests/unit/test_bench_smokes.py).
+
+--lora RANK: instead of the above, a LoRA policy's two refits side by side (bench/lora_modes.py): merged weights
+(generation.lora_refit=merged) vs the adapters only into vLLM's LoRA support (adapter), each on its own engine in its
+own process: refit time per step, and decode tok/s with the adapter vs with merged weights. With --smoke: 3 refits
+of each on the tiny model; exits non-zero unless both ran and their greedy tokens after the last refit agree.
 """
 from __future__ import annotations
 
@@ -157,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads to try for vLLM (generation.threads) and transformers")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers generate baseline")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 refits, 2 x 2 x 4 tokens")
+    ap.add_argument("--lora", type=int, metavar="RANK",
+                    help="compare the merged and the adapter-only refit of LoRA adapters of this rank instead")
     args = ap.parse_args(argv)
     import tempfile
 
@@ -167,6 +174,8 @@ def main(argv=None) -> int:
 
         args.model = str(tiny_model(Path(tmp.name)))
         args.refits, args.prompts, args.samples, args.tokens, args.threads, args.skip_hf = 2, 2, 2, 4, [1], False
+    if args.lora is not None:
+        return lora_main(args)
     done = set()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -252,6 +261,24 @@ def main(argv=None) -> int:
         missing = {"shm refit", "collective refit", "vllm generate", "hf generate", "refit exact"} - done
         print(f"smoke FAILED: {sorted(missing)}" if missing else "smoke ok")
         return 1 if missing else 0
+    return 0
+
+
+def lora_main(args) -> int:
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from lora_modes import compare
+
+    refits = 3 if args.smoke else args.refits
+    # the smoke compares the two modes' greedy tokens: fp32, where they can only part at exact ties; the full run
+    # times the engines in the demo's dtype (auto)
+    res = compare(args.model, args.lora, refits, prompts_for(AutoTokenizer.from_pretrained(args.model), args.prompts),
+                  args.samples, args.tokens, args.threads, precision="fp32" if args.smoke else "auto")
+    if args.smoke:
+        ok = res["same_greedy"] and all(len(res[m]["rows"]) == refits for m in ("merged", "adapter"))
+        print("smoke ok" if ok else "smoke FAILED: the two refits disagree or did not all run")
+        return 0 if ok else 1
     return 0
 
 

@@ -35,6 +35,10 @@ CASES = {
                                                       "memory bandwidth GB/s", "roofline:"], 400),
     "refit_bench": (["--smoke"], ["refit median after the first", "collective refit median after the first",
                                   "vLLM generate (1 thread(s))", "transformers generate (1 thread(s))"], 400),
+    # refit_bench.py --lora: the merged and the adapter-only refit of LoRA adapters, an engine each
+    "refit_bench_lora": (["--smoke", "--lora", "8"], ["merged refit:", "adapter refit:", "refit adapter / merged:",
+                                                      "decode (1 thread(s)): merged",
+                                                      "greedy tokens after the last refit: identical"], 400),
     # TRL comes from launch/requirements-cpu.lock: a missing TRL fails here (exit 3) rather than skipping
     "grpo_vs_trl": (["--smoke"], ["TRL GRPOTrainer", "megatron-rl", "speed-up per step (TRL / megatron-rl)",
                                   "prompt token ids identical to ours: 4/4",
@@ -59,7 +63,7 @@ PARAMS = [pytest.param(k, *v, id=k) for k, v in sorted(CASES.items())] + \
                     reason="the embedded model's tokenizer is missing: run launch/setup_env.sh")
 @pytest.mark.parametrize("bench,argv,expect,timeout", PARAMS)
 def test_bench_smoke(bench, argv, expect, timeout):
-    script = bench.removesuffix("_both_dtypes")
+    script = bench.removesuffix("_both_dtypes").removesuffix("_lora")
     # the benches import megatron_rl from this checkout, whatever the venv's editable install points at
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     t0 = time.perf_counter()
