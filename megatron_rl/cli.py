@@ -159,6 +159,7 @@ TRAIN_KEYS = (
     ("policy.max_tokens_per_microbatch", "tokens per packed training micro-batch"),
     ("generation.tp generation.dp", "vLLM: devices per engine, number of engines"),
     ("generation.max_new_tokens generation.temperature", "response budget, sampling temperature"),
+    ("policy.lora.rank generation.lora_refit", "LoRA adapters (docs/lora.md); refit: merged | adapter (vLLM LoRA)"),
     ("data.source data.task data.path", "prompts: a reasoning-gym task, or data.source=jsonl with data.path=FILE"),
     ("data.max_prompt_tokens", "prompt budget (with generation.max_new_tokens: the engine's context)"),
     ("reward.kind", "verifier: reasoning_gym | math | auto"),
