@@ -23,7 +23,8 @@ from megatron_rl.config import Config, ConfigError, to_dict
 # Key paths (a section or one key) whose change makes a resumed run a different run than the one checkpointed: the
 # prompts it trains on and their order, the model, the objective, the sampling the loss assumes, the reward.
 RUN_KEYS = ("data", "policy.model", "policy.tokenizer", "grpo", "reward", "init_from", "generation.temperature",
-            "generation.top_p", "generation.top_k", "generation.max_new_tokens", "generation.stop", "environment")
+            "generation.top_p", "generation.top_k", "generation.max_new_tokens", "generation.stop", "environment",
+            "distillation")
 # Keys inside those that do not: how long to train (raised to continue a finished run), validation, the run's
 # abort thresholds, and the verifier's process count and memory cap.
 FREE_KEYS = ("grpo.max_steps", "grpo.val_every", "grpo.val_num_prompts", "grpo.val_pass_k", "grpo.max_nonfinite_steps",

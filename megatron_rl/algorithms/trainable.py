@@ -31,6 +31,8 @@ def why_not_skippable(cfg: Config) -> str | None:
     """None where zero-advantage sequences may be left out without changing the update; else the config key that
     puts gradient on every token."""
     loss = cfg.grpo.loss
+    if getattr(cfg, "distillation", None) is not None:  # the teacher's advantage is per token, on every sequence
+        return "distillation"
     if loss.kl_coef != 0.0:
         return "grpo.loss.kl_coef"
     if loss.entropy_coef != 0.0:

@@ -265,6 +265,9 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     _validate_data(cfg)
     _validate_environment(cfg)
     _validate_supervised(cfg)
+    from megatron_rl.config.distillation import validate_distillation  # it imports this module's ConfigError
+
+    validate_distillation(cfg)
     if check_model:
         validate_against_model(cfg)
     return cfg
@@ -446,6 +449,9 @@ def validate_against_model(cfg: Config) -> None:
             resolve_targets(cfg.policy.lora.target_modules, hf)
         except ValueError as e:
             raise ConfigError(f"{e} (model: {cfg_file})") from None
+    from megatron_rl.config.distillation import validate_teacher_model
+
+    validate_teacher_model(cfg)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:

@@ -5,6 +5,7 @@ Each failure is a `ConfigError` naming the key path and the values (the CLI prin
 - the tokenizer loads, and all its ids (vocabulary, EOS, pad) fit the model's vocab_size: otherwise the first forward
   dies with `IndexError: index out of range` deep in a worker;
 - a chat template exists when data.use_chat_template is on;
+- a distillation teacher shares the student's tokenizer vocabulary (`distillation.check_teacher_vocab`);
 - the engine's context (data.max_prompt_tokens + generation.max_new_tokens, or generation.max_model_len) fits the
   model's max_position_embeddings: otherwise vLLM refuses after Ray and the trainer started;
 - the architecture is one the trainer supports, and the engine layout one this platform runs;
@@ -235,6 +236,10 @@ def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = Non
     tok = load_checked_tokenizer(cfg, model_dir)
     check_vocab(cfg, spec, label, tok)
     check_chat_template(cfg, tok)
+    if cfg.distillation is not None:
+        from megatron_rl.config.distillation import check_teacher_vocab
+
+        check_teacher_vocab(cfg, tok)  # the teacher scores the student's ids: one vocabulary
     if generator:
         check_context(cfg, spec, label)
         warn_answer_format(cfg)

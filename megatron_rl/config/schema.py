@@ -2,7 +2,7 @@
 
 Sections mirror the system's parts: where it runs (cluster), the trainer (policy), the rollout engine (generation),
 the algorithm (grpo), the prompts (data), the verifier (reward), multi-turn rollouts (environment), and what is kept
-(checkpoint, logging, output).
+(checkpoint, logging, output); distillation adds a frozen teacher to the GRPO loop.
 `megatron_rl.config.loader` turns YAML + command-line overrides into these dataclasses and validates them.
 """
 from __future__ import annotations
@@ -218,6 +218,26 @@ class GRPOConfig:
 
 
 @dataclass
+class DistillationConfig:
+    """On-policy distillation (docs/distillation.md): the student (policy.model) samples, a frozen teacher scores every
+    sampled token, and the GRPO loss trains on per-token advantages
+    kl_coef x (log teacher(x_t) - log student(x_t)) + reward_weight x (the group-relative task advantage).
+    The first term is the negative per-token reverse KL on the sampled tokens, so no group baseline is needed."""
+    # HF folder, or a megatron-rl checkpoint directory (a `step_N` with metadata.json; its hf/ folder gives the config
+    # and tokenizer). Required; it must share the student's tokenizer vocabulary (pre-flight)
+    teacher: str = ""
+    tp: int = 1  # the teacher's own split; tp x pp must divide the policy's world size (it runs on the same devices)
+    pp: int = 1
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: policy.precision
+    kl_coef: float = 1.0  # weight of the reverse-KL advantage (log teacher - log student)
+    reward_weight: float = 0.0  # weight of the task reward's group-relative advantage; 0: pure distillation
+    # 0: the sampled-token reverse KL (score-function gradient). k > 0: the teacher returns its k most likely ids per
+    # position and the loss is the full-distribution reverse KL over them plus the rest of the vocabulary as one
+    # outcome, differentiated directly (algorithms/distill_loss.py)
+    topk: int = 0
+
+
+@dataclass
 class SupervisedConfig:
     """What SFT and DPO share (`megatron-rl sft` / `megatron-rl dpo`, docs/sft_dpo.md): the examples of a step, how
     long to train, the order, validation. Data: data.path (train JSONL) and data.val_path (held-out JSONL)."""
@@ -386,6 +406,8 @@ class Config:
     algorithm: Literal["grpo", "sft", "dpo"] = "grpo"
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    # on-policy distillation from a frozen teacher (algorithm grpo: the same loop, another advantage); None: off
+    distillation: Optional[DistillationConfig] = None
 
     def max_model_len(self) -> int:
         """The engine's context: generation.max_model_len, by default the longest prompt plus the response budget

@@ -64,6 +64,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
+    def vocabulary(self) -> dict[str, int]:
+        """Token string -> id (what two models must share for one to score the other's token ids)."""
+        raise NotImplementedError
+
 
 class HFTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike):
@@ -107,6 +111,9 @@ class HFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    def vocabulary(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab())  # added tokens included
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A `tokenizer.model` (Llama-2 style, Megatron-native checkpoints); no chat template, so the plain one."""
@@ -146,6 +153,9 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def vocab_size(self) -> int:
         return int(self._sp.get_piece_size())
+
+    def vocabulary(self) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -101,6 +101,7 @@ class DeviceLayout:
     policy: ParallelDims
     gen_tp: int
     gen_dp: int  # engines
+    teacher: bool = False  # a distillation teacher's ranks share the policy's bundles (config.distillation)
 
     @property
     def engines(self) -> list[list[int]]:
@@ -110,9 +111,18 @@ class DeviceLayout:
 
     @property
     def share(self) -> float:
-        """The fraction of its bundle's device each actor asks Ray for: colocated, a policy rank and an engine
-        worker take half each (they take turns on the device); disaggregated, each has its device alone."""
-        return 0.5 if self.colocated else 1.0
+        """The fraction of its bundle's device an engine worker asks Ray for: colocated, a policy rank and an engine
+        worker take half each (they take turns on the device), a third each with a distillation teacher taking its
+        turn too; disaggregated, each engine has its device alone."""
+        if self.colocated:
+            return round(1.0 / (3 if self.teacher else 2), 4)  # Ray counts fractions to 1e-4
+        return 1.0
+
+    @property
+    def policy_share(self) -> float:
+        """The fraction a policy rank (and a teacher rank, on the same bundles) asks for: the engines' when colocated,
+        else the policy bundle alone or halved with a teacher."""
+        return self.share if self.colocated else (0.5 if self.teacher else 1.0)
 
     @property
     def gen_devices(self) -> int:
@@ -125,7 +135,7 @@ class DeviceLayout:
 
 
 def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
-                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1) -> DeviceLayout:
+                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1, teacher: bool = False) -> DeviceLayout:
     """The layout of `devices` devices (GPUs, or CPU slots on CPU machines), or ValueError naming the config keys.
 
     Colocated: the policy's ranks take the devices (default dp: devices / (tp*pp)) and the engines time-share them.
@@ -160,7 +170,7 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
         raise ValueError(f"policy.tp*pp = {tp * pp} does not divide {whose}; set policy.dp explicitly")
     policy = ParallelDims(tp=tp, pp=pp, dp=room // (tp * pp) if dp is None else dp, ep=ep)
     n_engines, _ = _engines(policy_world=policy.world_size, colocated=colocated, tp=gen_tp, dp=gen_dp)
-    return DeviceLayout(devices, colocated, policy, gen_tp, n_engines)
+    return DeviceLayout(devices, colocated, policy, gen_tp, n_engines, teacher)
 
 
 def check_staleness(max_staleness: int, colocated: bool) -> None:
@@ -174,7 +184,8 @@ def layout_of(cfg) -> DeviceLayout:
     """`device_layout` of a `Config` (what `build()` places and the loader validates)."""
     c, p, g = cfg.cluster, cfg.policy, cfg.generation
     return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
-                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep)
+                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep,
+                         teacher=getattr(cfg, "distillation", None) is not None)
 
 
 def check_policy_split(*, tp: int, pp: int, heads: int, kv_heads: int, layers: int, ffn: int | None) -> None:

@@ -78,7 +78,7 @@ HELP = {
     ("info",): ["--json", "platform", "devices"],
 }
 SECTIONS = ("cluster", "policy", "generation", "grpo", "data", "reward", "checkpoint", "logging", "output", "sft",
-            "dpo")
+            "dpo", "distillation")
 
 
 def schema_has(key: str) -> bool:

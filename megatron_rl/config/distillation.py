@@ -1,0 +1,142 @@
+"""The `distillation:` section's rules (docs/distillation.md): what the teacher is, and what it must share with the
+student. Defaults live in the schema (`schema.DistillationConfig`); this module only checks and derives.
+
+- `validate_distillation`: the section's own numbers and combinations, before any model is read (the loader's
+  `validate`);
+- `validate_teacher_model`: the teacher's split against its config.json (the loader, with check_model);
+- `check_teacher_vocab`: the teacher scores the student's token ids, so both tokenizers must map every token string
+  to the same id (the pre-flight; one line naming both models otherwise);
+- `teacher_policy_config`: the PolicyConfig the teacher's ranks build from (the policy's model-building code).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+from megatron_rl.config.loader import ConfigError, resolve_model_dir
+from megatron_rl.config.schema import Config, PolicyConfig
+
+
+def teacher_checkpoint(teacher: str) -> Optional[Path]:
+    """The megatron-rl checkpoint directory `teacher` names (a `step_N` with metadata.json), else None (an HF
+    folder)."""
+    path = Path(teacher).expanduser()
+    if not (path / "metadata.json").is_file():  # an HF folder: no need to import the checkpoint code (torch)
+        return None
+    from megatron_rl.models.checkpoint import is_checkpoint
+
+    return path if is_checkpoint(path) else None
+
+
+def teacher_hf_dir(teacher: str) -> Path:
+    """The HF folder of the teacher's config and tokenizer: the folder itself, or a checkpoint's hf/ copy."""
+    ckpt = teacher_checkpoint(teacher)
+    if ckpt is None:
+        return resolve_model_dir(teacher)
+    from megatron_rl.models.checkpoint import HF_DIR
+
+    return ckpt / HF_DIR
+
+
+def validate_distillation(cfg: Config) -> None:
+    """ConfigError naming the key path for a section that cannot run (module doc)."""
+    d = cfg.distillation
+    if d is None:
+        return
+    if not d.teacher:
+        raise ConfigError("distillation.teacher is required: an HF folder or a megatron-rl checkpoint directory")
+    for key, v in (("distillation.tp", d.tp), ("distillation.pp", d.pp)):
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1, got {v}")
+    for key, v in (("distillation.kl_coef", d.kl_coef), ("distillation.reward_weight", d.reward_weight),
+                   ("distillation.topk", d.topk)):
+        if v < 0:
+            raise ConfigError(f"{key} must be >= 0, got {v}")
+    if d.kl_coef == 0 and d.reward_weight == 0:
+        raise ConfigError("distillation.kl_coef and distillation.reward_weight are both 0: the loss would be 0")
+    if cfg.algorithm != "grpo":
+        raise ConfigError(f"distillation is on-policy (the student samples): it runs with algorithm grpo "
+                          f"(megatron-rl train), not {cfg.algorithm}")
+    if cfg.grpo.loss.variant == "gspo":
+        raise ConfigError("distillation gives every token its own advantage; grpo.loss.variant=gspo clips one ratio "
+                          "per sequence: use variant grpo or cispo")
+    if cfg.grpo.advantage.dynamic_sampling and d.reward_weight == 0:
+        raise ConfigError("grpo.advantage.dynamic_sampling drops groups whose rewards are all equal, but with "
+                          "distillation.reward_weight=0 the rewards carry no gradient and every token has a teacher "
+                          "signal: turn dynamic sampling off")
+    from megatron_rl.distributed.parallel_dims import layout_of
+
+    world = layout_of(cfg).policy.world_size
+    if world % (d.tp * d.pp):
+        raise ConfigError(f"distillation.tp*pp = {d.tp * d.pp} does not divide the policy's {world} ranks (the "
+                          "teacher runs one rank on each of the policy's devices)")
+
+
+def validate_teacher_model(cfg: Config) -> None:
+    """The teacher's split against its own shape (the policy's rules, `parallel_dims.check_policy_split`)."""
+    from megatron_rl.distributed.parallel_dims import check_policy_split
+
+    d = cfg.distillation
+    if d is None:
+        return
+    cfg_file = teacher_hf_dir(d.teacher) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"distillation.teacher={d.teacher}: no config.json in {cfg_file.parent} (an HF folder or a "
+                          "megatron-rl checkpoint directory)")
+    hf = json.loads(cfg_file.read_text())
+    if hf.get("num_experts") or hf.get("num_local_experts"):
+        raise ConfigError(f"distillation.teacher={d.teacher}: mixture-of-experts teachers are not supported yet "
+                          f"({cfg_file})")
+    heads = hf.get("num_attention_heads")
+    try:
+        check_policy_split(tp=d.tp, pp=d.pp, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+                           layers=hf.get("num_hidden_layers"), ffn=hf.get("intermediate_size"))
+    except ValueError as e:
+        raise ConfigError(f"{str(e).replace('policy.', 'distillation.')} of the teacher ({cfg_file})") from None
+    if d.topk > hf.get("vocab_size", d.topk):
+        raise ConfigError(f"distillation.topk={d.topk} is more than the teacher's vocab_size {hf['vocab_size']}")
+    ckpt = teacher_checkpoint(d.teacher)
+    if ckpt is not None:
+        from megatron_rl.models.checkpoint import read_metadata
+
+        if read_metadata(ckpt).get("adapters") is not None:
+            raise ConfigError(f"distillation.teacher={d.teacher} is a LoRA checkpoint (adapters only): export it "
+                              "merged to an HF folder (megatron-rl export) and distil from that")
+
+
+def check_teacher_vocab(cfg: Config, student_tok) -> None:
+    """One line naming both models when their tokenizers map tokens to ids differently (module doc); also every
+    student id must index a row of the teacher's embedding."""
+    from megatron_rl.data.tokenizer import tokenizer_for
+
+    d = cfg.distillation
+    if d is None:
+        return
+    hf_dir = teacher_hf_dir(d.teacher)
+    try:
+        teacher_tok = tokenizer_for(hf_dir)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"distillation.teacher={d.teacher}: cannot load its tokenizer: {e}") from None
+    student = f"policy.model={cfg.policy.model}" + (f" (tokenizer {cfg.policy.tokenizer})" if cfg.policy.tokenizer
+                                                     else "")
+    sv, tv = student_tok.vocabulary(), teacher_tok.vocabulary()
+    if sv != tv:
+        differ = sorted(k for k in set(sv) | set(tv) if sv.get(k) != tv.get(k))
+        raise ConfigError(f"distillation.teacher={d.teacher} and {student} do not share a tokenizer vocabulary "
+                          f"({len(tv)} vs {len(sv)} tokens, {len(differ)} differ, e.g. {differ[0]!r}): the teacher "
+                          "must score the student's token ids")
+    hf = json.loads((hf_dir / "config.json").read_text())
+    if hf.get("vocab_size", 0) < student_tok.vocab_size:
+        raise ConfigError(f"distillation.teacher={d.teacher}: its vocab_size {hf.get('vocab_size')} is smaller than "
+                          f"the student's tokenizer ({student_tok.vocab_size} tokens, {student})")
+
+
+def teacher_policy_config(cfg: Config) -> PolicyConfig:
+    """The teacher ranks' PolicyConfig: the teacher's folder and split, the policy's forward settings (micro-batch
+    budget, packing, shared prefix, fused head), no LoRA, no optimizer use."""
+    d = cfg.distillation
+    return dataclasses.replace(cfg.policy, model=str(teacher_hf_dir(d.teacher)), tokenizer=None, tp=d.tp, pp=d.pp,
+                               dp=None, ep=1, moe_aux_loss_coef=0.0, lora=None, activation_recompute=False,
+                               precision=cfg.policy.precision if d.precision == "auto" else d.precision)
