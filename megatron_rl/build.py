@@ -34,10 +34,11 @@ class Components:
     model_dir: Path
     handover: object  # algorithms.handover.Handover: who holds the device
     env_pool: object = None  # environments.runner.EnvironmentPool of a multi-turn run (environment.cls), else None
+    teacher: object = None  # policy.teacher_worker.TeacherGroup of a distillation run (config.distillation), else None
 
     def shutdown(self) -> None:
         # vLLM first: Ray's shutdown otherwise leaks vLLM's /dev/shm segments (its broadcaster outlives a killed actor)
-        for part in (self.generator, self.policy):
+        for part in (self.generator, self.policy, self.teacher):
             try:
                 if part is not None:
                     part.shutdown()
@@ -100,6 +101,26 @@ def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share
     return placement, PolicyGroup(group), logs
 
 
+def start_teacher(cfg: Config, placement, logs: Path, sharing: int, share: float):
+    """The distillation teacher's ranks (policy/teacher_worker.py), one on each of the policy's bundles, set up (its
+    weights resident until the handover offloads them)."""
+    from megatron_rl.config.distillation import teacher_checkpoint, teacher_policy_config
+    from megatron_rl.distributed.parallel_dims import layout_of
+    from megatron_rl.distributed.worker_group import WorkerGroup
+    from megatron_rl.policy.teacher_worker import TeacherGroup, TeacherWorker
+
+    c = cfg.cluster
+    world = layout_of(cfg).policy.world_size
+    threads = None if get_platform().is_gpu else (cfg.policy.threads or max(1, (os.cpu_count() or 1) // sharing))
+    ckpt = teacher_checkpoint(cfg.distillation.teacher)
+    group = WorkerGroup(TeacherWorker, placement, name="teacher", world_size=world, bundle_indices=list(range(world)),
+                        share=share, log_dir=str(logs), threads=threads,
+                        master_addr=c.bind_host if c.num_nodes == 1 else None,
+                        init_kwargs=dict(teacher_cfg=teacher_policy_config(cfg),
+                                         checkpoint=str(ckpt) if ckpt is not None else None))
+    return TeacherGroup(group)
+
+
 def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
     """SFT / DPO: the policy ranks alone, each with its device to itself; no generator, reward or environments.
     The handover is a disaggregated one without a generator: the trainer always holds the device."""
@@ -139,7 +160,10 @@ def build(cfg: Config, out_dir: Path) -> Components:
     # measured ~8x slower)
     sharing = world + len(gen_bundles) if cfg.grpo.max_staleness > 0 else world
     share = layout.share
-    placement, policy, logs = start_policy(cfg, out_dir, n_bundles, sharing, share, cfg.grpo.max_steps)
+    placement, policy, logs = start_policy(cfg, out_dir, n_bundles, sharing, layout.policy_share, cfg.grpo.max_steps)
+    teacher = None
+    if cfg.distillation is not None:  # on the policy's bundles; offloaded below with the trainer when colocated
+        teacher = start_teacher(cfg, placement, logs, sharing, layout.policy_share)
     cores = os.cpu_count() or 1
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
 
@@ -149,7 +173,8 @@ def build(cfg: Config, out_dir: Path) -> Components:
 
         lora = serving_spec(cfg.policy.lora, model_dir)
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
-                        sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit)
+                        sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit,
+                        teacher=teacher)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
     engines = []
@@ -175,7 +200,8 @@ def build(cfg: Config, out_dir: Path) -> Components:
 
         e = cfg.environment
         env_pool = EnvironmentPool.from_config(e)
-    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool)
+    return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool,
+                      teacher)
 
 
 def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from megatron_rl.algorithms.evaluate import evaluate
 from megatron_rl.algorithms.loss import mismatch_metrics
 from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
+from megatron_rl.algorithms.distill_loss import DistillLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
 
@@ -111,6 +112,15 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
             checkpoint()
         return _finish(c, rec, t_step)
 
+    if cfg.distillation is not None:  # the teacher's turn: it scores every sampled token (algorithms/distill_loss.py)
+        t0 = time.perf_counter()
+        c.handover.to_teacher()
+        if cfg.distillation.topk > 0:
+            k = cfg.distillation.topk
+            batch.teacher_topk_ids, batch.teacher_topk_logprobs = c.teacher.topk_logprobs(batch, k, T)
+        else:
+            batch.teacher_logprobs = c.teacher.logprobs(batch, T)
+        rec["time_teacher_s"] = time.perf_counter() - t0
     c.handover.to_trainer()
     t0 = time.perf_counter()
     # async: the rollout's own logprobs are the behaviour policy's, not the current weights': recompute "old" ones
@@ -150,7 +160,7 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
         "skipped": any(r.skipped for r in results), "no_trainable_groups": False,
     })
     # optional counters: present when their feature is on (importance masks, DAPO overlong handling)
-    rec.update({k: m[k] for k in ("is_masked_token_frac", "is_masked_seq_frac") if k in m})
+    rec.update({k: m[k] for k in ("is_masked_token_frac", "is_masked_seq_frac", "reverse_kl") if k in m})
     rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized") if k in gstats})
     # mini-batch metrics are means over the optimizer steps; the positions fed add up over them
     rec["num_tokens_fed"] = m.get("num_tokens_fed", 0.0) * len(results)
@@ -206,7 +216,8 @@ class GRPO(Algorithm):
         self.max_steps, self.max_nonfinite_steps = g.max_steps, g.max_nonfinite_steps
         self.val_every = g.val_every if c.val_items else 0
         self.keeps_samples = cfg.logging.samples_per_step > 0
-        self.loss_fn = GRPOLossFn(g.loss)
+        # distillation: the same loop and loss with the teacher's per-token advantage (algorithms/distill_loss.py)
+        self.loss_fn = DistillLossFn(g.loss, cfg.distillation) if cfg.distillation is not None else GRPOLossFn(g.loss)
         self.pipeline = None
         self.empty = 0
         self.samples: list[dict] = []

@@ -16,6 +16,14 @@ weights are then gone, so `to_generator` refits them first (the same weights as 
 is still resident. With `generation.lora_refit: adapter` a refit sends the LoRA adapters alone (`_refit_adapter`) and
 the engine's base weights are never sent again, so the loader requires level 1 there.
 
+With a distillation teacher (`teacher`, policy/teacher_worker.py) a colocated step has one more holder:
+
+    to_teacher():   engine sleeps -> teacher onloads (it scores the rollout)
+    to_trainer():   teacher offloads -> trainer onloads, then as above
+
+so the teacher's weights are resident only while it scores, alone on the device with the sleeping engine. Disaggregated,
+the teacher shares the policy's bundles and stays resident.
+
 The trainer's state and the engine's KV cache are never resident together; the engine's weights and the trainer
 are, during the refit only. Checkpoints are written between `to_trainer` and `to_generator` (the trainer's state
 must be resident to be read). Disaggregated placements skip the memory moves: each side keeps its own devices.
@@ -35,11 +43,12 @@ BUCKET_BYTES = 256 << 20  # refit bucket size: large enough to amortise per-buck
 
 class Handover:
     def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int, sleep_level: int,
-                 lora_refit: str = "merged"):
-        self.policy, self.generator = policy, generator
+                 lora_refit: str = "merged", teacher=None):
+        self.policy, self.generator, self.teacher = policy, generator, teacher
         # generation.lora_refit: "adapter" sends the LoRA adapters only, to engines serving them on their base
         # weights (generation/lora_serving.py); "merged" streams every weight through the transport
         self.lora_refit = lora_refit
+        self.teacher_holds_device = False  # colocated: between to_teacher() and to_trainer()
         self.colocated = colocated
         self.sleep_level = sleep_level
         self._engine_has_weights = True  # False between a level-2 sleep and the next refit
@@ -68,6 +77,8 @@ class Handover:
         """Colocated: the engine measures free device memory when it starts, so the trainer must be out first."""
         if self.colocated:
             self.policy.offload()
+            if self.teacher is not None:
+                self.teacher.offload()
 
     def connect(self, host: str | None, workers_per_engine: int) -> None:
         """Colocated: route the refit by device (`weights/routing.py`: the policy rank on each engine worker's
@@ -89,17 +100,41 @@ class Handover:
     def check_engine_started(self) -> None:
         if self.colocated and self.policy.state() != OFFLOADED:
             raise LifecycleError("the generator started while the trainer held the device")
+        if self.colocated and self.teacher is not None and self.teacher.state() != OFFLOADED:
+            raise LifecycleError("the generator started while the distillation teacher held the device")
         if self.generator.state != AWAKE:
             raise LifecycleError(f"the generator started {self.generator.state}, expected {AWAKE}")
+
+    def to_teacher(self) -> None:
+        """Colocated: the engine sleeps and the teacher's weights come back, to score a rollout. From the generator's
+        turn only: a teacher turn between training and the refit would cost the trainer an extra offload."""
+        if self.teacher is None:
+            raise LifecycleError("to_teacher() without a distillation teacher")
+        if not self.colocated or self.teacher_holds_device:
+            return
+        if self.trainer_holds_device:
+            raise LifecycleError("the teacher scores a rollout before the trainer takes the device: to_teacher() "
+                                 "after to_generator(), not after to_trainer()")
+
+        def move():
+            self.generator.sleep(self.sleep_level)
+            self.teacher.onload()
+        self._timed(move)
+        self.teacher_holds_device = True
+        self._engine_has_weights = self.sleep_level < 2
 
     def to_trainer(self) -> None:
         if self.colocated and not self.trainer_holds_device:
             def move():
-                self.generator.sleep(self.sleep_level)
+                if self.teacher_holds_device:  # the engine already sleeps
+                    self.teacher.offload()
+                else:
+                    self.generator.sleep(self.sleep_level)
                 self.policy.onload()
             self._timed(move)
-            self.trainer_holds_device = True
-            self._engine_has_weights = self.sleep_level < 2
+            if not self.teacher_holds_device:
+                self._engine_has_weights = self.sleep_level < 2
+            self.trainer_holds_device, self.teacher_holds_device = True, False
 
     def to_generator(self) -> None:
         if self.colocated and self.trainer_holds_device:

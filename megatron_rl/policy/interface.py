@@ -38,6 +38,11 @@ class RolloutBatch:
     keep_groups: bool = False
     # one number per sequence handed to the loss as `LossInputs.seq_roles` (DPO: 1 chosen, 0 rejected); None: none
     seq_roles: Optional[list[float]] = None
+    # per response token: a frozen distillation teacher's logprobs of the sampled tokens (algorithms/distill_loss.py)
+    teacher_logprobs: Optional[list[torch.Tensor]] = None
+    # top-k distillation: per response token the teacher's k most likely next ids and their logprobs, [n, k] each
+    teacher_topk_ids: Optional[list[torch.Tensor]] = None
+    teacher_topk_logprobs: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -50,7 +55,9 @@ class RolloutBatch:
         return RolloutBatch(pick(self.input_ids), pick(self.prompt_lens), pick(self.advantages),
                             pick(self.old_logprobs), pick(self.ref_logprobs), pick(self.gen_logprobs),
                             pick(self.group_ids), loss_mask=pick(self.loss_mask), keep_groups=self.keep_groups,
-                            seq_roles=pick(self.seq_roles))
+                            seq_roles=pick(self.seq_roles), teacher_logprobs=pick(self.teacher_logprobs),
+                            teacher_topk_ids=pick(self.teacher_topk_ids),
+                            teacher_topk_logprobs=pick(self.teacher_topk_logprobs))
 
     def loss_normalizers(self) -> tuple[int, int]:
         """(response tokens, sequences) the loss divides by."""

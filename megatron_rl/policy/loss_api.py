@@ -33,3 +33,8 @@ class LossInputs:
     seqs: Optional[torch.Tensor] = None  # [m] long: the micro-batch's sequences (global indices), token order
     seq_groups: Optional[torch.Tensor] = None  # [m] long: their group ids (RolloutBatch.group_ids), or None
     seq_roles: Optional[torch.Tensor] = None  # [m] float: RolloutBatch.seq_roles of them, or None
+    teacher_logprobs: Optional[torch.Tensor] = None  # [n] a distillation teacher's, of the sampled tokens, or None
+    # top-k distillation: [n, k] the teacher's logprobs of its k most likely ids at each position, and the student's
+    # (differentiable) of the same ids; None otherwise
+    teacher_topk_logprobs: Optional[torch.Tensor] = None
+    student_topk_logprobs: Optional[torch.Tensor] = None

@@ -27,18 +27,15 @@ between sequences); with shared prefix a group's completions attend its prompt b
 """
 from __future__ import annotations
 
-import json
 import math
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
-from megatron_rl.platform import get_platform, install_megatron_cpu_compat
-from megatron_rl.policy import batching, identity_collectives, packing
+from megatron_rl.platform import get_platform
+from megatron_rl.policy import batching, identity_collectives
+from megatron_rl.policy.forward_pass import ForwardPass, build_loaded_model, init_rank
 from megatron_rl.policy.grad_ops import (clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
                                         use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
@@ -56,7 +53,7 @@ _OPT_CKPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 
-class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
+class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
     def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
                  env: dict | None = None, policy_cfg: PolicyConfig | None = None, max_steps: int = 1):
         super().__init__(rank, world_size, log_path, threads, env)
@@ -73,58 +70,19 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
-        from megatron_rl.models.hf_io import HFCheckpoint
-        from megatron_rl.models.mapping import load_hf_into_model
-        from megatron_rl.models.provider import build_model
-
-        plat = get_platform()
-        install_megatron_cpu_compat()
-        if plat.is_gpu:
-            torch.cuda.set_device(int(self._local_rank(self.rank)))
-        if not dist.is_initialized():
-            dist.init_process_group(plat.dist_backend)
         cfg = self.cfg
-        ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                     expert_model_parallel_size=cfg.ep)
-        self.device = plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
-        self.model_dir = resolve_model_dir(cfg.model)
-        hf_config = json.loads((self.model_dir / "config.json").read_text())
-        self.dtype = plat.resolve_dtype(cfg.precision)
+        self.device = init_rank(cfg, self._local_rank(self.rank))
         # per-token loss mode (module doc) at construction: MoE routers read it there. The load-balancing loss when
         # policy.moe_aux_loss_coef > 0 (its coefficient is set per step, `grad_ops.moe_aux_loss_coeff`)
         aux = dict(moe_router_load_balancing_type="aux_loss") if cfg.moe_aux_loss_coef > 0 else {}
-        # no random init: the HF weights overwrite every parameter right after (build_model still tags the
-        # tensor-parallel weights, which grad-norm and clipping rely on)
-        gpt = build_model(hf_config, params_dtype=self.dtype, seed=cfg.seed, init_weights=False,
-                          recompute_granularity="full" if cfg.activation_recompute else None,
-                          recompute_method="uniform" if cfg.activation_recompute else None,
-                          recompute_num_layers=1 if cfg.activation_recompute else None,
-                          calculate_per_token_loss=True, **aux)
-        gpt.to(self.device)
-        if self.dtype != torch.float32:
-            # megatron's local spec builds its norm weights in fp32 whatever params_dtype says (transformer-engine's
-            # follow it): cast them so the model has one dtype on both platforms, and so does its export (the refit)
-            for p in gpt.parameters():
-                p.data = p.data.to(self.dtype)
-        load_hf_into_model(gpt, HFCheckpoint(self.model_dir))
+        gpt, self.model_dir, hf_config, self.dtype = build_loaded_model(
+            cfg, self.device, recompute_granularity="full" if cfg.activation_recompute else None,
+            recompute_method="uniform" if cfg.activation_recompute else None,
+            recompute_num_layers=1 if cfg.activation_recompute else None, calculate_per_token_loss=True, **aux)
         # adapters (models/lora.py) before DDP: it must see the frozen base to give it no gradient buffers
         self.lora = install_lora(gpt, cfg.lora, hf_config, cfg.seed) if cfg.lora is not None else None
-        self.spec = gpt.megatron_rl_spec
+        self._setup_forward(gpt)  # policy/forward_pass.py: the hooks and coordinates the teacher shares
         tcfg = gpt.config
-        self.shared_prefix = self._enable_shared_prefix(gpt)
-        # varlen rows: the core attention of `build_model`'s spec takes them; a sliding window would be ignored
-        packing_mode = plat.default_packing if cfg.packing == "auto" else cfg.packing  # the loader's rule too
-        self.varlen = packing_mode == "varlen" and self.spec.sliding_window is None
-        self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
-        from megatron_rl.policy.model_hooks import install_fused_head, install_logit_window
-
-        self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
-        # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when)
-        self._fused_head = install_fused_head(gpt, ps.get_tensor_model_parallel_rank()) if cfg.fused_lm_head else None
-        self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head
-        tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
-        self.gpt = gpt
         self.model = DistributedDataParallel(
             config=tcfg, module=gpt,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -136,11 +94,6 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         # Reference policy for KL: the initial weights, host-resident (no extra device memory while training);
         # with LoRA the base itself, adapters off (no copy)
         self.ref_weights = self._weights_copy()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.is_output_rank = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
         return {"rank": self.rank, "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": self.dp_rank,
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_size": self.dp_size,
                 "num_params": sum(p.numel() for p in self.gpt.parameters()),
@@ -150,18 +103,6 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
         if self.lora is not None:
             return None
         return {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
-
-    def _enable_shared_prefix(self, gpt) -> bool:
-        """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""
-        from megatron_rl.policy.model_hooks import install_explicit_mask_attention, install_position_rope
-
-        if not self.cfg.shared_prefix:
-            return False
-        # megatron replaces any given mask by its sliding-window mask, and TE's fused RoPE takes one position table
-        # for the whole batch: both would silently ignore the packed layout
-        if self.spec.sliding_window is not None or gpt.config.apply_rope_fusion:
-            return False
-        return install_position_rope(gpt) and install_explicit_mask_attention(gpt) > 0
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -183,82 +124,7 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
             lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps,
             wd_incr_style="constant")
 
-    # --------------------------------------------------------------------------------------------- forward
-    def _micro_batches(self, batch: RolloutBatch) -> list[batching.MicroBatchRows]:
-        batching.check_batch(batch, self.spec.vocab_size, self.spec.max_position_embeddings)
-        if len(batch) < self.dp_size:
-            raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        # plan (which units form each micro-batch) -> rows (its tensors); the loss then gathers per token from them.
-        # Experts at DP > 1: equal micro-batch counts over DP ranks (module doc)
-        plan = packing.plan_microbatches(batch, shared=self.shared_prefix, varlen=self.varlen,
-                                         max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
-                                         dp_rank=self.dp_rank, multiple=self.segment_multiple,
-                                         equal_counts=self.dp_size > 1 and self.spec.moe is not None)
-        return [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
-
-    def _forward(self, model, mb: batching.MicroBatchRows):
-        """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns
-        from the first response prediction on, `model_hooks.install_logit_window`) and the returned mb is narrowed
-        to match; elsewhere the output is the stage's hidden states and mb is unchanged."""
-        view = mb
-        if self._logit_window is not None:
-            self._logit_window.start, view = batching.response_window(mb) if self.narrow_logits else (0, mb)
-        mask = mb.attention_mask.to(self.device) if mb.attention_mask is not None else None
-        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
-                     packed_seq_params=batching.packed_on(mb.packed, self.device)), view
-
-    def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature: float):
-        """(logprobs, entropy) per token of the last stage's output: hidden states [b, s, h] after a fused head's
-        forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits."""
-        from kernels import linear_token_logprobs, token_logprobs_and_entropy
-        from megatron.core import parallel_state as ps
-
-        tp = self.tp_size > 1
-        group = self.tp_group if tp else None
-        head = self._fused_head
-        if head is not None and head.weight is not None:
-            # the kernel sums the hidden gradient over TP, as the output layer's own backward would
-            return linear_token_logprobs(output, head.weight, targets.to(output.device), tp_group=group,
-                                         vocab_start_index=head.vocab_start, temperature=temperature,
-                                         return_entropy=True)
-        return token_logprobs_and_entropy(
-            output, targets.to(output.device), tp_group=group,
-            vocab_start_index=ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0,
-            temperature=temperature)
-
-    def _schedule(self, mbs, step_fn, forward_only: bool):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        return get_forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
-            forward_only=forward_only)
-
-    @torch.no_grad()
-    def logprobs(self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False):
-        """{batch index: response-token logprobs} (and entropies) from output ranks; None elsewhere."""
-        self._require_resident("compute logprobs")
-        mbs = self._micro_batches(batch)
-        out: dict[int, Any] = {}
-
-        def step(data_iter, model):
-            logits, mb = self._forward(model, next(data_iter))
-
-            def loss_func(logits):
-                if mb.filler:
-                    return logits.sum() * 0.0, {}
-                lp, ent = self._token_stats(logits, mb.targets, temperature)
-                for i, l, e in zip(mb.indices, batching.split_rows(lp, mb), batching.split_rows(ent, mb)):
-                    out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
-                return lp.sum() * 0.0, {}
-
-            return logits, loss_func
-
-        self.model.eval()
-        self._schedule(mbs, step, forward_only=True)
-        self.model.train()
-        return out if self.is_output_rank else None
-
+    # ------------------------------------------------------------------------------- forward (forward_pass.py)
     @torch.no_grad()
     def _swap_weights(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         saved = {}
@@ -323,6 +189,8 @@ class MegatronPolicyWorker(WeightsOut, Residency, RankWorker):
                     old_logprobs=old.to(dev) if old is not None else flat_lp.detach().float(),
                     ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),
                     gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
+                    teacher_logprobs=_to(batching.gather_field(batch.teacher_logprobs, mb), dev),
+                    **self._topk_inputs(logits, mb, batch, flat_lp, temperature),  # top-k distillation only
                     num_global_tokens=float(n_tokens), num_global_seqs=float(n_seqs),
                     seqs=torch.tensor(mb.indices, dtype=torch.long, device=dev),
                     seq_groups=_to(groups[mb.indices] if groups is not None else None, dev),

@@ -49,6 +49,9 @@ ALLOWED = {
         "the bucket's flat buffer is made on the worker's device (self.device), the one megatron's pipeline group "
         "(NCCL on GPU, gloo on CPU) moves",
     ("megatron_rl/policy/weights_out.py", "WeightsOut._all_stage_buckets", "broadcast_object_list"): _OBJECT,
+    ("megatron_rl/policy/topk.py", "vocab_topk", "all_reduce"):
+        _MODEL_DEVICE + " (the teacher's logit statistics over its TP vocabulary shards)",
+    ("megatron_rl/policy/topk.py", "vocab_topk", "all_gather"): _MODEL_DEVICE + " (each TP shard's top-k)",
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }

@@ -1,0 +1,203 @@
+"""What every Megatron rank that scores tokens shares: the rank's set-up (process groups, the model built from an HF
+folder, its weights loaded) and the forward pass (micro-batch plan, shared-prefix / varlen layouts, the response
+window of the lm_head, the logprob kernels). The trainable policy (`megatron_worker.MegatronPolicyWorker`) and the
+frozen distillation teacher (`teacher_worker.TeacherWorker`) are both built from it, so a teacher's logprobs come
+from exactly the code the policy's (and its KL reference's) do.
+
+A class using `ForwardPass` provides `cfg` (a PolicyConfig), `model` (what the schedule runs: megatron DDP or the
+bare GPTModel) and `_require_resident` (policy/residency.py); `_setup_forward(gpt)` sets the rest.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.loader import resolve_model_dir
+from megatron_rl.config.schema import PolicyConfig
+from megatron_rl.platform import get_platform, install_megatron_cpu_compat
+from megatron_rl.policy import batching, packing
+from megatron_rl.policy.interface import RolloutBatch
+
+
+def init_rank(cfg: PolicyConfig, local_rank: int) -> torch.device:
+    """This process's device, torch.distributed and megatron's model-parallel groups for cfg's split."""
+    from megatron.core import parallel_state as ps
+
+    plat = get_platform()
+    install_megatron_cpu_compat()
+    if plat.is_gpu:
+        torch.cuda.set_device(int(local_rank))
+    if not dist.is_initialized():
+        dist.init_process_group(plat.dist_backend)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                 expert_model_parallel_size=cfg.ep)
+    return plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
+
+
+def build_loaded_model(cfg: PolicyConfig, device: torch.device, *, checkpoint: str | Path | None = None, **build_kw):
+    """(gpt, model_dir, hf_config, dtype): cfg.model's architecture as a megatron GPTModel on `device`, in cfg's
+    precision, holding the folder's HF weights, or a megatron-rl checkpoint's when `checkpoint` is given (model
+    weights only, resharded to this split). `build_kw` goes to `models.provider.build_model`."""
+    from megatron_rl.models.hf_io import HFCheckpoint
+    from megatron_rl.models.mapping import load_hf_into_model
+    from megatron_rl.models.provider import build_model
+
+    plat = get_platform()
+    model_dir = resolve_model_dir(cfg.model)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    dtype = plat.resolve_dtype(cfg.precision)
+    # no random init: the loaded weights overwrite every parameter right after (build_model still tags the
+    # tensor-parallel weights, which grad-norm and clipping rely on)
+    gpt = build_model(hf_config, params_dtype=dtype, seed=cfg.seed, init_weights=False, **build_kw)
+    gpt.to(device)
+    if dtype != torch.float32:
+        # megatron's local spec builds its norm weights in fp32 whatever params_dtype says (transformer-engine's
+        # follow it): cast them so the model has one dtype on both platforms, and so does its export (the refit)
+        for p in gpt.parameters():
+            p.data = p.data.to(dtype)
+    if checkpoint is not None:
+        from megatron_rl.models.checkpoint import load_checkpoint
+
+        load_checkpoint(str(checkpoint), gpt)
+    else:
+        load_hf_into_model(gpt, HFCheckpoint(model_dir))
+    return gpt, model_dir, hf_config, dtype
+
+
+class ForwardPass:
+    def _setup_forward(self, gpt) -> None:
+        """The model's forward hooks and this rank's coordinates (after any LoRA install, before DDP)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.policy.model_hooks import install_fused_head, install_logit_window
+
+        cfg, plat = self.cfg, get_platform()
+        self.spec = gpt.megatron_rl_spec
+        tcfg = gpt.config
+        self.shared_prefix = self._enable_shared_prefix(gpt)
+        # varlen rows: the core attention of `build_model`'s spec takes them; a sliding window would be ignored
+        packing_mode = plat.default_packing if cfg.packing == "auto" else cfg.packing  # the loader's rule too
+        self.varlen = packing_mode == "varlen" and self.spec.sliding_window is None
+        self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
+        self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
+        # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when)
+        self._fused_head = install_fused_head(gpt, ps.get_tensor_model_parallel_rank()) if cfg.fused_lm_head else None
+        self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head
+        tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
+        self.gpt = gpt
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.is_output_rank = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+    def _enable_shared_prefix(self, gpt) -> bool:
+        """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""
+        from megatron_rl.policy.model_hooks import install_explicit_mask_attention, install_position_rope
+
+        if not self.cfg.shared_prefix:
+            return False
+        # megatron replaces any given mask by its sliding-window mask, and TE's fused RoPE takes one position table
+        # for the whole batch: both would silently ignore the packed layout
+        if self.spec.sliding_window is not None or gpt.config.apply_rope_fusion:
+            return False
+        return install_position_rope(gpt) and install_explicit_mask_attention(gpt) > 0
+
+    def _micro_batches(self, batch: RolloutBatch) -> list[batching.MicroBatchRows]:
+        batching.check_batch(batch, self.spec.vocab_size, self.spec.max_position_embeddings)
+        if len(batch) < self.dp_size:
+            raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
+        # plan (which units form each micro-batch) -> rows (its tensors); the loss then gathers per token from them.
+        # Experts at DP > 1: equal micro-batch counts over DP ranks (megatron_worker's module doc)
+        plan = packing.plan_microbatches(batch, shared=self.shared_prefix, varlen=self.varlen,
+                                         max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
+                                         dp_rank=self.dp_rank, multiple=self.segment_multiple,
+                                         equal_counts=self.dp_size > 1 and self.spec.moe is not None)
+        return [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
+
+    def _forward(self, model, mb: batching.MicroBatchRows):
+        """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns
+        from the first response prediction on, `model_hooks.install_logit_window`) and the returned mb is narrowed
+        to match; elsewhere the output is the stage's hidden states and mb is unchanged."""
+        view = mb
+        if self._logit_window is not None:
+            self._logit_window.start, view = batching.response_window(mb) if self.narrow_logits else (0, mb)
+        mask = mb.attention_mask.to(self.device) if mb.attention_mask is not None else None
+        return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
+                     packed_seq_params=batching.packed_on(mb.packed, self.device)), view
+
+    def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature: float):
+        """(logprobs, entropy) per token of the last stage's output: hidden states [b, s, h] after a fused head's
+        forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits."""
+        from kernels import linear_token_logprobs, token_logprobs_and_entropy
+        from megatron.core import parallel_state as ps
+
+        tp = self.tp_size > 1
+        group = self.tp_group if tp else None
+        head = self._fused_head
+        if head is not None and head.weight is not None:
+            # the kernel sums the hidden gradient over TP, as the output layer's own backward would
+            return linear_token_logprobs(output, head.weight, targets.to(output.device), tp_group=group,
+                                         vocab_start_index=head.vocab_start, temperature=temperature,
+                                         return_entropy=True)
+        return token_logprobs_and_entropy(
+            output, targets.to(output.device), tp_group=group,
+            vocab_start_index=ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0,
+            temperature=temperature)
+
+    def _topk_inputs(self, output: torch.Tensor, mb: batching.MicroBatchRows, batch: RolloutBatch,
+                     flat_lp: torch.Tensor, temperature: float) -> dict:
+        """Top-k distillation's loss inputs for a micro-batch (`LossInputs.teacher_topk_logprobs` and the student's
+        differentiable `student_topk_logprobs`, policy/topk.py); {} when the batch carries no teacher top-k."""
+        if batch.teacher_topk_ids is None:
+            return {}
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.policy.topk import logprobs_at
+
+        dev = flat_lp.device
+        ids = torch.cat([batch.teacher_topk_ids[i] for i in mb.indices]).to(dev)
+        teacher = torch.cat([batch.teacher_topk_logprobs[i].float() for i in mb.indices]).to(dev)
+        tp = self.tp_size > 1
+        student = logprobs_at(batching.flat(output, mb), self._fused_head, ids, batching.flat(mb.targets, mb),
+                              flat_lp, temperature, self.tp_size,
+                              ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0)
+        return {"teacher_topk_logprobs": teacher, "student_topk_logprobs": student}
+
+    def _schedule(self, mbs, step_fn, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=step_fn, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only)
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """{batch index: response-token logprobs} (and entropies) from output ranks; None elsewhere."""
+        self._require_resident("compute logprobs")
+        mbs = self._micro_batches(batch)
+        out: dict[int, Any] = {}
+
+        def step(data_iter, model):
+            logits, mb = self._forward(model, next(data_iter))
+
+            def loss_func(logits):
+                if mb.filler:
+                    return logits.sum() * 0.0, {}
+                lp, ent = self._token_stats(logits, mb.targets, temperature)
+                for i, l, e in zip(mb.indices, batching.split_rows(lp, mb), batching.split_rows(ent, mb)):
+                    out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
+                return lp.sum() * 0.0, {}
+
+            return logits, loss_func
+
+        self.model.eval()
+        self._schedule(mbs, step, forward_only=True)
+        self.model.train()
+        return out if self.is_output_rank else None
