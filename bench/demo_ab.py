@@ -6,6 +6,7 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare packing ...
     .venv/bin/python bench/demo_ab.py --compare fused_head ...
     .venv/bin/python bench/demo_ab.py --compare lora [--lora-lr 1e-4] [grpo.val_every=10] ...
+    .venv/bin/python bench/demo_ab.py --compare distill [--teacher runs/demo_cpu/hf_final] [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
@@ -22,6 +23,10 @@ override turns it on (`grpo.val_every=10`: then each run's learning curve is pri
   mismatch metrics.
 - lora: full fine-tuning vs LoRA adapters (rank 32, alpha 64, all-linear; `--lora-lr`, default 1e-4, 5x the
   demo's LR): trainer peak memory, step time (training, refit) and, with validation on, accuracy by step and minute.
+- distill: GRPO from the base model vs on-policy distillation into it from `--teacher` (default: the GRPO demo's
+  final model exported to HF, made by the first commands of configs/distill_cpu.yaml): step time with the teacher's
+  turn, the reverse KL and, with validation on, held-out accuracy by step and by minute side by side
+  (docs/distillation.md). --smoke distils the tiny model from another random one.
 - fused_head: the lm_head's logits formed, then the logprob kernel (policy.fused_lm_head=false) vs the lm_head fused
   into it (the default; kernels/linear.py): what never forming [tokens, vocab] costs or saves in step time.
 --smoke: both variants of --compare for one step each (no warm-up dropped) through the same `build.run` on a tiny
@@ -59,6 +64,8 @@ COMPARISONS = {
     "lora": {"full fine-tuning": [],
              "LoRA (rank 32, all-linear)": ["policy.lora.rank=32", "policy.lora.alpha=64",
                                             "policy.lora.target_modules=[all-linear]"]},
+    # the teacher's folder is added from --teacher (configs/distill_cpu.yaml's other keys are the demo's)
+    "distill": {"GRPO": [], "distillation": ["distillation.kl_coef=1.0", "distillation.reward_weight=0.0"]},
 }
 
 
@@ -82,6 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     ap.add_argument("--smoke", action="store_true", help="one tiny step per variant on a tiny random model")
     ap.add_argument("--lora-lr", type=float, default=1e-4, help="--compare lora: the LoRA run's policy.optimizer.lr")
+    ap.add_argument("--teacher", default="runs/demo_cpu/hf_final",
+                    help="--compare distill: the teacher's HF folder (configs/distill_cpu.yaml says how to make it)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     tiny = tempfile.TemporaryDirectory()
@@ -92,14 +101,18 @@ def main(argv=None) -> int:
         args.steps, args.warmup = 1, 0
         args.overrides = [f"policy.model={tiny_model(Path(tiny.name))}", "grpo.num_prompts_per_step=2",
                           "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", *args.overrides]
+        args.teacher = str(tiny_model(Path(tiny.name) / "teacher", seed=5))  # another random tiny model
     keys = ("time_step_s", "time_generate_s", "time_train_s", "time_logprobs_s", "time_refit_s",
             "time_handover_s", "time_wait_rollout_s", "generate_flops_per_s", "train_flops_per_s", "tokens_per_s",
-            "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error", "policy_peak_memory_gb")
+            "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error", "policy_peak_memory_gb",
+            "time_teacher_s", "reverse_kl")
     rows, curves = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(COMPARISONS[args.compare].items()):
             if args.compare == "lora" and extra:
                 extra = extra + [f"policy.optimizer.lr={args.lora_lr}"]
+            if args.compare == "distill" and extra:
+                extra = extra + [f"distillation.teacher={args.teacher}"]
             recs, wall = run_mode(extra + list(args.overrides), args.steps, Path(tmp) / f"m{i}")
             steady = [r for r in recs if "time_step_s" in r][args.warmup:]
             rows[name] = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in keys}

@@ -5,7 +5,8 @@ lines; `\\` continues a line, and so does an indented `[...]`/`--...` line under
 - `megatron-rl train|sft|dpo CONFIG overrides` (also `bash launch/demo_cpu.sh overrides`, `launch/grpo_local.sh` and
   `launch/slurm_grpo.sh`, which run it): `--dry-run`, i.e. the config, the overrides and the model/tokenizer checks.
   Where the config's model is the user's own and absent here (`policy.model=/path/to/hf_model`, the DeepScaleR
-  recipes), the config and overrides are validated without the model. A command the doc shows failing (followed
+  recipes; a distillation teacher an earlier command makes), the config and overrides are validated without the
+  model. A command the doc shows failing (followed
   by a `# config error: ...` line) must fail with that message.
 - `megatron-rl eval|convert|plan|info ...`, `launch/torchrun_convert.sh`, `python -m megatron_rl.X ...` and
   `python bench/X.py ...`: the tool's own argparse parses the quoted arguments (the run stops right after the parse),
@@ -292,8 +293,10 @@ for job in jobs:
                 res["why"] = f"expected exit 2 with {want!r}, got {r!r}: {err[-2000:]}"
             elif r == 0:
                 res["ok"] = True
-            elif r == 2 and "policy.model: no config.json" in err:
-                # the user's own model, absent here: the config and the overrides alone
+            elif r == 2 and ("policy.model: no config.json" in err
+                             or ("distillation.teacher=" in err and ": no config.json" in err)):
+                # the user's own model (or distillation teacher, made by an earlier command), absent here: the
+                # config and the overrides alone
                 cfg, overrides = args[0], [a for a in args[1:] if "=" in a]
                 stages = [(st.config, st.overrides) for st in load_stages(cfg)] if is_chain(cfg) else [(cfg, [])]
                 for path, extra in stages:
