@@ -314,8 +314,3 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         keep = [self._local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
         drop = [self._local(p.grad) for p in self.model.parameters() if p.grad is not None]
         return keep, drop
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Every HF tensor (tests and small models), on DP rank 0; collective."""
-        tensors = {n: t.cpu() for bucket in self.export_weights() for n, t in bucket}
-        return tensors if self._is_exporter() else None
