@@ -120,4 +120,24 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
                      "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a))}
     with open(f"{ckpt_dir}/metadata.json") as f:
         out["ckpt_meta"] = json.load(f)
+    out["bf16"] = bf16_step(rank, world_size, model_dir)
     return out
+
+
+def bf16_step(rank: int, world_size: int, model_dir: str) -> dict:
+    """test_policy's bf16 step (pg_loss, wd 0) on the FSDP2 backend in bf16 (FSDP mixed precision: bf16 compute,
+    fp32 master weights and gradient reduction), beside the fp32 HF + AdamW reference."""
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from tests.distributed.policy_bodies import hf_reference, pg_loss
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = make_batch(vocab)
+    ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
+    w = FSDP2PolicyWorker(rank, world_size, policy_cfg=dataclasses.replace(_cfg(model_dir, precision="bf16"),
+                                                                           backend="fsdp2"))
+    w.setup()
+    before = w.hf_state_dict()
+    lps = _all(w.logprobs(batch, temperature=TEMP))
+    res = w.train(batch, pg_loss, temperature=TEMP)
+    return {"logprobs": lps, "metrics": res["metrics"], "before": before, "after": w.hf_state_dict(),
+            "ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None}

@@ -1,7 +1,8 @@
 """The FSDP2 backend (policy/fsdp2_worker.py) at DP=2 against the megatron backend and HF transformers: the same
 GRPO step gives the same logprobs, entropies, loss, gradient norm and updated weights in fp32; its export before
 training is the HF checkpoint; offloaded it refuses every read, onloaded it gives the same numbers; save -> step ==
-load -> step bit for bit. One 2-process launch (fsdp2_bodies.backends_agree) serves every test here."""
+load -> step bit for bit; a bf16 step stays near the fp32 reference. One 2-process launch
+(fsdp2_bodies.backends_agree) serves every test here."""
 import pytest
 import torch
 
@@ -89,3 +90,29 @@ def test_save_load_next_step_bit_identical(results):
     assert r["same"] is True
     meta = results[0]["ckpt_meta"]
     assert meta["backend"] == "fsdp2" and meta["layout"]["dp"] == 2 and meta["step"] == 2
+
+
+def test_bf16_step_near_the_fp32_reference(results):
+    """bf16 keeps 8 significant bits: logprobs and the loss agree to a few 1e-2 (test_policy's bf16 bounds); the
+    update must point where the fp32 step's does, with its size. Measured (2026-12-02): all matrices together cos
+    0.998, each matrix's update norm within 0.998-1.051 of the reference's; the q_proj updates are the outliers (cos
+    0.935-0.989, where the megatron backend's bf16 step keeps every matrix >= 0.99: HF's bf16 forward rounds
+    differently, cause not pinned down), hence a per-matrix bound of 0.9. A lost, mis-scaled or mis-signed
+    gradient gives ~0, a norm far off, or a grad_norm off by the DP factor."""
+    r = results[0]["bf16"]
+    lp_err = torch.cat([(g.float() - w).abs() for g, w in zip(r["logprobs"], r["ref_lps"])])
+    assert lp_err.max() < 0.1 and lp_err.mean() < 0.02, (lp_err.max(), lp_err.mean())
+    assert r["metrics"]["loss"] == pytest.approx(r["ref_loss"], rel=0.05, abs=0.01)
+    assert r["metrics"]["grad_norm"] == pytest.approx(r["ref_norm"], rel=0.05)
+    assert all(v.dtype == torch.bfloat16 for v in r["after"].values())  # the export (the refit) is bf16
+    got_all, ref_all = [], []
+    for k, v in r["after"].items():
+        if v.dim() != 2:
+            continue  # norm weights ~1.0: a 1e-3 update is below bf16's spacing there (kept in the fp32 master)
+        d_got = (v.float() - r["before"][k].float()).flatten()
+        d_ref = (r["ref_state"][k].float() - r["before"][k].float()).flatten()
+        assert torch.nn.functional.cosine_similarity(d_got, d_ref, dim=0) > 0.9, k
+        assert d_got.norm() == pytest.approx(float(d_ref.norm()), rel=0.1), k
+        got_all.append(d_got)
+        ref_all.append(d_ref)
+    assert torch.nn.functional.cosine_similarity(torch.cat(got_all), torch.cat(ref_all), dim=0) > 0.995
