@@ -3,9 +3,10 @@ pool) and asserts what must happen — fast named failure, clean exit, resumable
 
 The kill rows run the real CLI in a subprocess; the victims are found by Ray's process titles
 (`ray::MegatronPolicyWorker.train` or `ray::FSDP2PolicyWorker.train`, `ray::GeneratorActor.generate`) among the
-descendants of *that* driver only (`faults_harness.Run`), and killed with SIGKILL while inside the named method. To keep the suite short the kill rows
-share one output directory and follow each other, each re-run being the resume check of the previous row (the chain
-runs once per policy backend, megatron and fsdp2; the in-process rows below run on megatron):
+descendants of *that* driver only (`faults_harness.Run`), and killed with SIGKILL while inside the named method. To
+keep the suite short the kill rows share one output directory and follow each other, each re-run being the resume
+check of the previous row (the chain runs once per policy backend, megatron and fsdp2; the in-process rows below run
+on megatron):
 
     run 1  kill -9 policy-0 inside train, after checkpoint step_1     -> fails fast, named; last checkpoint stays
     run 2  resumes from it; kill -9 the generator inside generate     -> fails fast, named
