@@ -140,4 +140,5 @@ def bf16_step(rank: int, world_size: int, model_dir: str) -> dict:
     lps = _all(w.logprobs(batch, temperature=TEMP))
     res = w.train(batch, pg_loss, temperature=TEMP)
     return {"logprobs": lps, "metrics": res["metrics"], "before": before, "after": w.hf_state_dict(),
-            "ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None}
+            "ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm,
+            "ref_state": ref_state if rank == 0 else None}
