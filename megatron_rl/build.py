@@ -76,6 +76,17 @@ def build_data(cfg: Config, tok):
     return tok, stream, val_items
 
 
+def policy_worker_class(backend: str) -> type:
+    """The per-rank policy actor of `policy.backend` (both implement policy/interface.py's PolicyWorker)."""
+    if backend == "fsdp2":
+        from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+
+        return FSDP2PolicyWorker
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    return MegatronPolicyWorker
+
+
 def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share: float, max_steps: int):
     """Ray, the placement (`n_bundles` devices) and the policy ranks on its first bundles: (placement, PolicyGroup,
     the logs folder). CPU: each rank gets cores / `sharing` threads; `share`: the fraction of a device each rank asks
@@ -84,7 +95,6 @@ def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.distributed.worker_group import WorkerGroup
     from megatron_rl.policy.group import PolicyGroup
-    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     c = cfg.cluster
     world = layout_of(cfg).policy.world_size
@@ -95,7 +105,7 @@ def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share
     logs.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     threads = None if get_platform().is_gpu else (cfg.policy.threads or max(1, cores // sharing))
-    group = WorkerGroup(MegatronPolicyWorker, placement, name="policy", world_size=world, share=share,
+    group = WorkerGroup(policy_worker_class(cfg.policy.backend), placement, name="policy", world_size=world, share=share,
                         log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
                         init_kwargs=dict(policy_cfg=cfg.policy, max_steps=max_steps))
     return placement, PolicyGroup(group), logs

@@ -252,10 +252,11 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
         raise ConfigError(f"grpo.loss.ratio_clip_c (dual clip) must be > 1, got {g.loss.ratio_clip_c}")
     _validate_algorithm(cfg)
     _validate_lora(cfg)
+    _validate_backend(cfg)
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
-    if cfg.policy.packing == "auto":
-        cfg.policy.packing = get_platform().default_packing
+    if cfg.policy.packing == "auto":  # fsdp2: padded rows only (`_validate_backend`)
+        cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().default_packing
     if cfg.generation.gpu_memory_utilization is None:
         cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
                                                  else OWN_DEVICE_GPU_MEMORY_UTILIZATION)
@@ -271,6 +272,30 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if check_model:
         validate_against_model(cfg)
     return cfg
+
+
+def _validate_backend(cfg: Config) -> None:
+    """What the FSDP2 backend (policy/fsdp2_worker.py) does not do yet refuses to start, naming the key: it shards
+    over data-parallel ranks only, feeds one padded row per sequence, and trains every weight."""
+    p = cfg.policy
+    if p.backend != "fsdp2":
+        return
+    unsupported = {"policy.tp": (p.tp, 1), "policy.pp": (p.pp, 1), "policy.ep": (p.ep, 1)}
+    for key, (value, only) in unsupported.items():
+        if value != only:
+            raise ConfigError(f"{key}={value}: policy.backend=fsdp2 runs data parallelism only (set {key}={only}, "
+                              "or policy.backend=megatron)")
+    if p.packing == "varlen":
+        raise ConfigError("policy.packing=varlen: policy.backend=fsdp2 feeds padded rows (set policy.packing=none "
+                          "or auto, or policy.backend=megatron)")
+    if p.moe_aux_loss_coef > 0:
+        raise ConfigError("policy.moe_aux_loss_coef: the router's load-balancing loss is wired on the megatron backend "
+                          "only (set it to 0, or policy.backend=megatron)")
+    if p.lora is not None:
+        raise ConfigError("policy.lora: policy.backend=fsdp2 trains every weight (unset policy.lora, or "
+                          "policy.backend=megatron)")
+    if cfg.distillation is not None:
+        raise ConfigError("distillation: its teacher runs on the megatron backend only (policy.backend=megatron)")
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -134,12 +134,12 @@ def rows(batch: RolloutBatch, units: list[Unit], *, varlen: bool, multiple: int 
 def filler_row(*, varlen: bool, multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
     """One row of `multiple` pad tokens (the shortest row megatron takes in this layout) with no response token:
     every target -1 and no span, so nothing is gathered from it. A varlen filler is one causal THD segment."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     n = max(1, multiple)
     row = lambda fill: torch.full((1, n), fill, dtype=torch.long)  # noqa: E731
     packed = None
-    if varlen:
+    if varlen:  # megatron's THD rows only: a dense filler (the FSDP2 backend's) needs no megatron-core
+        from megatron.core.packed_seq_params import PackedSeqParams
+
         cu = torch.tensor([0, n], dtype=torch.int32)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
     return MicroBatchRows([], row(pad_id), torch.arange(n, dtype=torch.long)[None], row(-1),

@@ -1,4 +1,5 @@
-"""Optimizer-step details of the megatron worker: torch Adam's fused kernel, and three that MoE models make
+"""Optimizer-step details of the policy workers: the learning-rate schedule (both backends), torch Adam's fused
+kernel, and three that MoE models make
 non-trivial (clipping a chained optimizer to the global gradient norm, the per-step coefficient of the router's
 load-balancing loss, and switching that loss per micro-batch)."""
 from __future__ import annotations
@@ -77,3 +78,18 @@ def with_aux_loss_coeff(config, coeff: float | None, forward):
     if out[0].requires_grad:
         out[0].register_hook(lambda _grad: setattr(config, "moe_aux_loss_coeff", coeff))
     return out
+
+
+def build_scheduler(optimizer, o, s, max_steps: int):
+    """megatron's OptimizerParamScheduler for policy.optimizer `o` and policy.scheduler `s`, over any optimizer with
+    torch-style `param_groups` (a megatron optimizer, or the FSDP2 worker's torch AdamW): both backends then follow
+    one schedule, weight decay included (each group's `wd_mult` scales it: 0 for biases and norms). Plain Python on
+    the param groups; its construction already sets step 0's lr."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = max(1, s.decay_steps or max_steps)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+        lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps,
+        wd_incr_style="constant")

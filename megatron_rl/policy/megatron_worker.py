@@ -36,12 +36,12 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, identity_collectives
 from megatron_rl.policy.forward_pass import ForwardPass, build_loaded_model, init_rank
-from megatron_rl.policy.grad_ops import (clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
+from megatron_rl.policy.grad_ops import (build_scheduler, clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
                                         use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.models.lora import adapters_disabled, install_lora
-from megatron_rl.policy.loss_api import LossInputs
 from megatron_rl.policy.residency import Residency
+from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
 
@@ -106,7 +106,6 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o, s = self.cfg.optimizer, self.cfg.scheduler
         self.optimizer = get_megatron_optimizer(
@@ -117,12 +116,7 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
                             use_distributed_optimizer=o.distributed),
             [self.model])
         use_fused_torch_adam(self.optimizer)
-        decay_steps = max(1, s.decay_steps or self.max_steps)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
-            lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps,
-            wd_incr_style="constant")
+        self.scheduler = build_scheduler(self.optimizer, o, s, self.max_steps)
 
     # ------------------------------------------------------------------------------- forward (forward_pass.py)
     @torch.no_grad()
@@ -147,18 +141,12 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
     # ------------------------------------------------------------------------------------------------ train
     def train(self, batch: RolloutBatch, loss_fn, temperature: float = 1.0) -> dict:
         """One optimizer step. Returns {"metrics", "logprobs" ({index: tensor}), "skipped"} on output ranks."""
-        if batch.advantages is not None and len(batch.advantages) != len(batch):
-            raise ValueError(f"train() got {len(batch.advantages)} advantages for {len(batch)} sequences")
+        fields = StepFields(batch)  # policy/step_inputs.py: what the loss sees, the same on every backend
         self._require_resident("train")
         mbs = self._micro_batches(batch)
-        n_tokens, n_seqs = batch.loss_normalizers()
+        n_tokens = fields.n_tokens
         first_dp = self.dp_rank == 0
         own_lp: dict[int, torch.Tensor] = {}
-        # no advantages (SFT, DPO): zeros, so the loss contract keeps one shape
-        adv = torch.tensor(batch.advantages if batch.advantages is not None else [0.0] * len(batch),
-                           dtype=torch.float32)
-        groups = torch.tensor(batch.group_ids, dtype=torch.long) if batch.group_ids is not None else None
-        roles = torch.tensor(batch.seq_roles, dtype=torch.float32) if batch.seq_roles is not None else None
 
         aux_coeff = None
         if self.cfg.moe_aux_loss_coef > 0:  # over the real micro-batches: fillers route no loss-bearing token
@@ -176,32 +164,13 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
                 flat_lp = batching.flat(lp, mb)
                 for i, l in zip(mb.indices, batching.split_rows(lp.detach(), mb)):
                     own_lp[i] = l.float().cpu()
-                seq_ids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in zip(mb.indices, mb.resp_lens)])
-                dev = flat_lp.device
-                old = batching.gather_field(batch.old_logprobs, mb)
-                # observation tokens of multi-turn trajectories are context: mask 0 (RolloutBatch.loss_mask)
-                mask = batching.gather_field(batch.loss_mask, mb)
-                inputs = LossInputs(
-                    logprobs=flat_lp.float(), entropy=batching.flat(ent, mb).float(),
-                    advantages=adv[seq_ids].to(dev),
-                    mask=mask.to(dev) if mask is not None else torch.ones_like(flat_lp, dtype=torch.float32),
-                    seq_ids=seq_ids.to(dev),
-                    old_logprobs=old.to(dev) if old is not None else flat_lp.detach().float(),
-                    ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),
-                    gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
-                    teacher_logprobs=_to(batching.gather_field(batch.teacher_logprobs, mb), dev),
-                    **self._topk_inputs(logits, mb, batch, flat_lp, temperature),  # top-k distillation only
-                    num_global_tokens=float(n_tokens), num_global_seqs=float(n_seqs),
-                    seqs=torch.tensor(mb.indices, dtype=torch.long, device=dev),
-                    seq_groups=_to(groups[mb.indices] if groups is not None else None, dev),
-                    seq_roles=_to(roles[mb.indices] if roles is not None else None, dev))
+                inputs = fields.loss_inputs(
+                    mb, flat_lp, batching.flat(ent, mb),
+                    self._topk_inputs(logits, mb, batch, flat_lp, temperature))  # top-k distillation only
                 loss, metrics = loss_fn(inputs)
                 report = first_dp and raw is mbs[0]
-                count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=dev)
-                reduced = {k: torch.as_tensor(v, dtype=torch.float64).detach().cpu() for k, v in metrics.items()}
-                reduced.setdefault("loss", loss.detach().double().cpu())
-                # positions this micro-batch computed (packed rows, padding included): the FLOP count's tokens
-                reduced["num_tokens_fed"] = torch.tensor(float(raw.tokens.numel()), dtype=torch.float64)
+                count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=flat_lp.device)
+                reduced = reduced_metrics(loss, metrics, raw)
                 return loss * n_tokens, count, reduced
 
             return logits, loss_func
@@ -219,18 +188,10 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
         return {"metrics": metrics, "logprobs": own_lp, "skipped": skipped}
 
     def _sum_metrics(self, reduced_list) -> dict[str, float]:
-        """Metrics are already globally normalised per micro-batch: sum them, then over DP replicas."""
         from megatron.core import parallel_state as ps
 
-        from megatron_rl.distributed.collectives import all_reduce_scalars
-
-        keys = sorted({k for d in (reduced_list or []) for k in d})
-        # every DP rank must agree on the key set for the all-reduce; the loss function returns a fixed set
-        sums = {k: sum(float(d[k]) for d in reduced_list if k in d) for k in keys}
-        if ps.is_pipeline_last_stage() and self.dp_size > 1 and keys:
-            # the helper puts the numbers where the DP group's backend needs them (NCCL: this rank's GPU)
-            sums = all_reduce_scalars(sums, ps.get_data_parallel_group())
-        return sums
+        reduce = ps.is_pipeline_last_stage() and self.dp_size > 1
+        return sum_metrics(reduced_list, ps.get_data_parallel_group() if reduce else None)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Clip and step, unless the gradient is non-finite anywhere (the norm is global, so all ranks agree)."""
@@ -357,7 +318,3 @@ def _saved_adam_step(loaded) -> float | None:
 
     walk(loaded)
     return steps.pop() if len(steps) == 1 else None
-
-
-def _to(t: torch.Tensor | None, dev) -> torch.Tensor | None:
-    return None if t is None else t.to(dev)

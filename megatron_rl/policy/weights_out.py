@@ -1,6 +1,8 @@
 """The policy rank's weights going out: HF-named export in buckets, and the refit senders (see weights/transport.py).
 
-A mixin of `MegatronPolicyWorker` (which provides `gpt`, `spec`, `rank`, `dp_rank`, `device` and `_require_resident`).
+A mixin of both policy backends (which provide `rank`, `dp_rank`, `device`, `_require_resident` and `export_weights`;
+the megatron one's `export_weights` below reads `gpt` and `spec`; `policy/fsdp2_worker.py` brings its own and
+answers `_is_exporter` / `_pipeline` for a data-parallel-only layout).
 Exporting is collective over the tensor-parallel group (shards are gathered, every TP rank gets the full tensors),
 so every TP rank of a stage iterates the export. Who sends:
 - in-band transports (shared memory, CUDA IPC; colocated engines): the ranks the driver names (`senders`), one per
@@ -26,6 +28,14 @@ class WeightsOut:
         from megatron.core import parallel_state as ps
 
         return ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+
+    def _pipeline(self) -> tuple[int, int, object]:
+        """(this rank's pipeline stage, stages, the pipeline group or None); a backend without pipeline
+        parallelism (policy/fsdp2_worker.py) answers (0, 1, None)."""
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_world_size()
+        return ps.get_pipeline_model_parallel_rank(), pp, ps.get_pipeline_model_parallel_group() if pp > 1 else None
 
     def export_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -94,17 +104,14 @@ class WeightsOut:
         its buckets in turn (a manifest object, then one flat buffer) over the pipeline group, NCCL on GPU and gloo
         on CPU; a bucket in transit costs one flat copy of it per rank, never the whole model."""
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
         from megatron_rl.weights.manifest import as_bytes, bucket_layout, typed_views
 
-        pp = ps.get_pipeline_model_parallel_world_size()
-        group = ps.get_pipeline_model_parallel_group() if pp > 1 else None
+        me, pp, group = self._pipeline()
         ranks = dist.get_process_group_ranks(group) if group is not None else [self.rank]
         if pp == 1 or not set(ranks) & set(senders):
             yield from self.export_weights(bucket_bytes)
             return
-        me = ps.get_pipeline_model_parallel_rank()
         for stage, src in enumerate(ranks):  # the group's ranks are in stage order
             if stage == me:
                 for bucket in self.export_weights(bucket_bytes):
@@ -130,8 +137,6 @@ class WeightsOut:
     # ---- collective transport (disaggregated engines)
     def refit_endpoint(self, host: str | None = None) -> dict | None:
         """Where this stage's refit group will meet (exporting ranks only): the store is hosted here, rank 0."""
-        from megatron.core import parallel_state as ps
-
         if not self._is_exporter():
             return None
         if host is None:  # multi-node: this node's address as Ray knows it
@@ -141,17 +146,15 @@ class WeightsOut:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return {"stage": ps.get_pipeline_model_parallel_rank(), "host": host, "port": port}
+        return {"stage": self._pipeline()[0], "host": host, "port": port}
 
     def join_refit_group(self, endpoints: list[dict], world_size: int) -> None:
         """Exporting ranks open their stage's group as rank 0 (blocks until every engine worker has joined)."""
-        from megatron.core import parallel_state as ps
-
         from megatron_rl.weights.collective import CollectiveSender, open_group
 
         if not self._is_exporter():
             return
-        stage = ps.get_pipeline_model_parallel_rank()
+        stage = self._pipeline()[0]
         ep = endpoints[stage]
         self._collective = CollectiveSender(open_group(ep["host"], ep["port"], 0, world_size), stage, self.device)
 

@@ -140,8 +140,10 @@ def test_offload_without_distributed_optimizer_releases_every_weight(bf16_result
         assert on["device_bytes"] == r["resident"], (rank, on)
         assert r["changed"] == [], rank  # weights, main weights and Adam state bitwise as before
         a, b = res["offload_plain_opt"]["offloaded"], res["offload_plain_opt"]["never_offloaded"]
-        if a["metrics"] is not None:
-            assert a["metrics"] == b["metrics"], rank
+        if a["metrics"] is not None:  # the same step: every metric but the peak RSS so far (process history)
+            peak = "policy_peak_memory_gb"
+            assert {k: v for k, v in a["metrics"].items() if k != peak} == \
+                {k: v for k, v in b["metrics"].items() if k != peak}, rank
         assert set(a["after"]) == set(b["after"])
         for k in a["after"]:
             assert torch.equal(a["after"][k], b["after"][k]), (rank, k)

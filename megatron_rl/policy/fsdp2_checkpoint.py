@@ -1,0 +1,105 @@
+"""Checkpoints of the FSDP2 policy (`policy/fsdp2_worker.py`) in megatron-rl's checkpoint directory format.
+
+The same directory as `models/checkpoint.py` writes (so the loop's resume, `latest_checkpoint`, the checksums and
+the atomic rename all apply unchanged), with the model and AdamW state in `dist/` written by
+torch.distributed.checkpoint (DCP: each rank writes its own shards, any DP size can read them) instead of megatron's
+dist_checkpointing. metadata.json says `"backend": "fsdp2"`, so neither backend loads the other's checkpoint by
+mistake. `extra_state.pt` (scheduler, step, RNG, the driver's state) is rank 0's, as the megatron worker stores it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl.models import hf_io
+from megatron_rl.models.checkpoint import (DIST_DIR, EXTRA_STATE, FORMAT, FORMAT_VERSION, HF_DIR, METADATA,
+                                           CheckpointError, _bcast, _checksums, _fsync_write, read_metadata,
+                                           verify_checkpoint)
+
+BACKEND = "fsdp2"
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:  # a fresh AdamW gets its (zero) state here, for a load to fill
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state: dict, hf_dir, dtype: torch.dtype,
+                          world: int) -> Path:
+    """Collective over every rank: write `model`'s and `optimizer`'s shards and rank 0's extras atomically."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir = Path(ckpt_dir).absolute()
+    rank = dist.get_rank()
+    tmp = None
+    if rank == 0:
+        ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=ckpt_dir.name + ".tmp-", dir=ckpt_dir.parent))
+    tmp = Path(_bcast(str(tmp) if tmp else None))
+    try:
+        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / DIST_DIR))
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        if rank == 0:
+            torch.save(extra_state, tmp / EXTRA_STATE)
+            (tmp / HF_DIR).mkdir()
+            hf_io.copy_tokenizer_files(hf_dir, tmp / HF_DIR)
+            (tmp / HF_DIR / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        dist.barrier()
+        files = _checksums(tmp)
+        if rank == 0:
+            meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "backend": BACKEND, "step": int(step),
+                    "created": time.time(), "hf_config": config, "tokenizer_path": str(hf_dir), "model_spec": None,
+                    "params_dtype": str(dtype).replace("torch.", ""),
+                    "layout": {"tp": 1, "pp": 1, "ep": 1, "dp": world, "world_size": world},
+                    "extra_sharded_keys": ["optim"] if optimizer is not None else [], "adapters": None,
+                    "files": files}
+            _fsync_write(tmp / METADATA, json.dumps(meta, indent=2) + "\n")
+            hf_io.publish_permissions(tmp)
+            old = None
+            if ckpt_dir.exists():
+                old = ckpt_dir.parent / f"{ckpt_dir.name}.old-{os.getpid()}"
+                os.replace(ckpt_dir, old)
+            os.replace(tmp, ckpt_dir)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+    except BaseException:
+        if rank == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ckpt_dir
+
+
+def load_fsdp2_checkpoint(ckpt_dir, model, optimizer, verify: bool = True) -> dict | None:
+    """Fill `model` (and `optimizer`, unless None: weights only) from an FSDP2 checkpoint; collective. Returns the
+    extra state (None when the checkpoint has none)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    root = Path(ckpt_dir)
+    meta = verify_checkpoint(root) if verify else read_metadata(root)
+    if meta.get("backend") != BACKEND:
+        raise CheckpointError(f"{root} was written by the {meta.get('backend') or 'megatron'} backend; "
+                              f"policy.backend={BACKEND} reads only its own checkpoints")
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(root / DIST_DIR))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    if not (root / EXTRA_STATE).is_file():
+        return None
+    try:
+        return torch.load(root / EXTRA_STATE, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{root / EXTRA_STATE} cannot be loaded: {e}") from e

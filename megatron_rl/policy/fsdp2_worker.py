@@ -1,0 +1,316 @@
+"""One rank of the FSDP2 policy (`policy.backend: fsdp2`): the Hugging Face model itself, sharded over the data-
+parallel ranks with torch's `fully_shard` (DTensor), behind the same PolicyWorker interface as the megatron backend.
+
+Same as the megatron worker, by sharing its backend-free parts: the micro-batch plan and its rows (`packing.py`,
+`batching.py`), what the loss sees and how metrics add up (`step_inputs.py`), the logprob/entropy kernels (`kernels/`,
+the lm_head fused into them unless `policy.fused_lm_head: false`, on the response window only), the lr schedule
+(`grad_ops.build_scheduler`), the lifecycle states (`residency.py`) and the refit senders (`weights_out.py`).
+Differences that are the backend's:
+
+- Sharding: `fully_shard` per decoder layer, then on a root module that owns the HF model (embeddings, final norm,
+  lm_head). That root's forward runs the decoder *and* the kernel, so the lm_head weight is the unsharded tensor
+  while the kernel reads it, and its gradient takes FSDP's reduce-scatter like any other. Every module reshards
+  after forward, so no stale unsharded copy survives a weight swap (the KL reference) or an offload.
+- Gradient reduction: FSDP averages over DP by default; the loss functions already divide by the *global* counts,
+  so the shards' gradients must be summed (divide factor 1), as megatron's per-token mode does.
+- Every forward all-gathers over DP, so every rank runs the same number of micro-batches: the plan pads the short
+  ranks with filler rows (`microbatch.plan(equal_counts=True)`, zero loss), as megatron does for experts.
+- No shared-prefix rows (the HF attention gets no block mask here) and no varlen packing: one padded row per
+  sequence (the config loader refuses packing=varlen, TP, PP, EP, LoRA with this backend; docs/fsdp2.md).
+- Optimizer: torch AdamW over the DTensor shards with megatron's parameter groups (no weight decay on biases and
+  1-D weights), the global gradient norm over DTensors, clipping as megatron clips.
+- Checkpoints: torch.distributed.checkpoint in megatron-rl's checkpoint directory format (`fsdp2_checkpoint.py`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_rl.config.loader import resolve_model_dir
+from megatron_rl.config.schema import PolicyConfig
+from megatron_rl.distributed.worker_group import RankWorker
+from megatron_rl.platform import get_platform
+from megatron_rl.policy import batching, packing
+from megatron_rl.policy.grad_ops import build_scheduler
+from megatron_rl.policy.interface import RolloutBatch
+from megatron_rl.policy.residency import Residency
+from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
+from megatron_rl.policy.weights_out import WeightsOut
+
+ROOT = "lm."  # the HF model's attribute in `_Scorer`: parameter names minus this prefix are the HF names
+
+
+class _Scorer(nn.Module):
+    """The HF causal LM, scoring tokens: decoder -> final hidden states of the response window -> (logprobs,
+    entropy) by the project's kernels. The FSDP root, so that the lm_head is unsharded while the kernel runs."""
+
+    def __init__(self, lm: nn.Module, fused: bool):
+        super().__init__()
+        self.lm = lm
+        self.fused = fused
+
+    def forward(self, tokens, positions, window, targets, temperature: float):
+        from kernels import linear_token_logprobs, token_logprobs_and_entropy
+
+        out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, use_cache=False)
+        hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
+        head = self.lm.get_output_embeddings()
+        if self.fused and head.bias is None:  # no [tokens, vocab] logits in forward or backward (kernels/linear.py)
+            return linear_token_logprobs(hidden, head.weight, targets, temperature=temperature, return_entropy=True)
+        return token_logprobs_and_entropy(head(hidden), targets, temperature=temperature)
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The HF model's decoder blocks (one FSDP unit each)."""
+    dec = lm.get_decoder()
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(dec, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(lm).__name__}: no decoder layer list found (looked for layers, h, blocks)")
+
+
+class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
+    def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
+                 env: dict | None = None, policy_cfg: PolicyConfig | None = None, max_steps: int = 1):
+        super().__init__(rank, world_size, log_path, threads, env)
+        self.cfg = policy_cfg or PolicyConfig()
+        self.max_steps = max_steps
+        self.step = 0
+        self.consumed_samples = 0
+        self._init_residency()
+
+    # ------------------------------------------------------------------------------------------------- set-up
+    def setup(self) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        cfg, plat = self.cfg, get_platform()
+        if plat.is_gpu:
+            torch.cuda.set_device(int(self._local_rank(self.rank)))
+        if not dist.is_initialized():
+            dist.init_process_group(plat.dist_backend)
+        self.device = plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
+        self.mesh = init_device_mesh(plat.device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+        self.dp_group = self.mesh.get_group("dp")
+        self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.model_dir = resolve_model_dir(cfg.model)
+        self.dtype = plat.resolve_dtype(cfg.precision)
+        torch.manual_seed(cfg.seed)
+        # fp32 master weights always; bf16 is FSDP's compute dtype (gradients reduced in fp32)
+        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        lm.config.use_cache = False
+        self.hf_config = lm.config
+        self.vocab_size = lm.get_output_embeddings().weight.shape[0]
+        self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))
+        lm.to(self.device)
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
+            if self.dtype != torch.float32 else MixedPrecisionPolicy()
+        kw = dict(mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
+        for layer in decoder_layers(lm):
+            fully_shard(layer, **kw)
+        self.model = fully_shard(_Scorer(lm, cfg.fused_lm_head), **kw)
+        for m in self.model.modules():  # the loss is globally normalised: sum the shards' gradients (module doc)
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+        self._build_optimizer()
+        # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them
+        self.ref_weights = self._weights_copy()
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"rank": self.rank, "tp_rank": 0, "dp_rank": self.dp_rank, "pp_rank": 0, "dp_size": self.dp_size,
+                "num_params": n, "trainable_params": n, "backend": "fsdp2"}
+
+    def _build_optimizer(self) -> None:
+        o, s = self.cfg.optimizer, self.cfg.scheduler
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():  # megatron's default grouping: no decay on biases, 1-D weights
+            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+        groups = [{"params": ps, "wd_mult": m, "lr_mult": 1.0} for ps, m in ((decay, 1.0), (no_decay, 0.0)) if ps]
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, o, s, self.max_steps)
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    def _weights_copy(self) -> dict[str, torch.Tensor]:
+        return {n: self._local(p).detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+
+    def set_threads(self, n: int) -> None:
+        from megatron_rl.platform import set_cpu_threads
+
+        set_cpu_threads(n)
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def _micro_batches(self, batch: RolloutBatch) -> list[batching.MicroBatchRows]:
+        batching.check_batch(batch, self.vocab_size, self.max_positions)
+        if len(batch) < self.dp_size:
+            raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
+        plan = packing.plan_microbatches(batch, shared=False, varlen=False,
+                                         max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
+                                         dp_rank=self.dp_rank, multiple=1, equal_counts=self.dp_size > 1)
+        return [batching.rows(batch, units, varlen=False) for units in plan]
+
+    def _score(self, mb: batching.MicroBatchRows, temperature: float):
+        """(logprobs, entropy) of the micro-batch's response window, and the mb narrowed to it."""
+        start, view = batching.response_window(mb)
+        dev = self.device
+        window = start if isinstance(start, int) else start.to(dev)
+        lp, ent = self.model(mb.tokens.to(dev), mb.position_ids.to(dev), window, view.targets.to(dev), temperature)
+        return lp, ent, view
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False):
+        """{batch index: response-token logprobs} (and entropies) of this DP rank's share."""
+        self._require_resident("compute logprobs")
+        out: dict[int, Any] = {}
+        self.model.eval()
+        try:
+            for mb in self._micro_batches(batch):
+                lp, ent, view = self._score(mb, temperature)
+                for i, l, e in zip(view.indices, batching.split_rows(lp, view), batching.split_rows(ent, view)):
+                    out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
+        finally:
+            self.model.train()
+        return out
+
+    def logprobs_and_entropy(self, batch: RolloutBatch, temperature: float = 1.0):
+        return self.logprobs(batch, temperature, with_entropy=True)
+
+    @torch.no_grad()
+    def _swap_weights(self, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        saved = {}
+        for n, p in self.model.named_parameters():
+            local = self._local(p)
+            saved[n] = local.detach().to("cpu", copy=True)
+            local.copy_(source[n].to(local.device, local.dtype))
+        return saved
+
+    def reference_logprobs(self, batch: RolloutBatch, temperature: float = 1.0):
+        self._require_resident("compute reference logprobs")
+        current = self._swap_weights(self.ref_weights)
+        try:
+            return self.logprobs(batch, temperature)
+        finally:
+            self._swap_weights(current)
+
+    # ------------------------------------------------------------------------------------------------ train
+    def train(self, batch: RolloutBatch, loss_fn, temperature: float = 1.0) -> dict:
+        """One optimizer step. Returns {"metrics", "logprobs" ({index: tensor}), "skipped"} on every rank (each with
+        its DP share's logprobs; the metrics are the whole batch's)."""
+        fields = StepFields(batch)
+        self._require_resident("train")
+        mbs = self._micro_batches(batch)
+        own_lp: dict[int, torch.Tensor] = {}
+        reduced = []
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in mbs:
+            lp, ent, view = self._score(mb, temperature)
+            if mb.filler:  # the same collectives as a real micro-batch, an exact zero gradient, nothing counted
+                ((lp.sum() + ent.sum()) * 0.0).backward()
+                continue
+            flat_lp = batching.flat(lp, view)
+            for i, l in zip(view.indices, batching.split_rows(lp.detach(), view)):
+                own_lp[i] = l.float().cpu()
+            loss, metrics = loss_fn(fields.loss_inputs(view, flat_lp, batching.flat(ent, view)))
+            loss.backward()
+            reduced.append(reduced_metrics(loss, metrics, mb))
+        metrics = sum_metrics(reduced, self.dp_group if self.dp_size > 1 else None)
+        skipped, grad_norm = self._optimizer_step()
+        self.consumed_samples += len(batch)
+        metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]),
+                       policy_peak_memory_gb=get_platform().peak_memory_bytes() / 2**30)
+        return {"metrics": metrics, "logprobs": own_lp, "skipped": skipped}
+
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Clip and step unless the global gradient norm is non-finite (all ranks agree: the norm is global)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=False)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return True, norm
+        clip = self.cfg.optimizer.clip_grad
+        if clip > 0:  # megatron's rule: scale by clip / (norm + 1e-6) when that is below 1
+            torch.nn.utils.clip_grads_with_norm_(params, clip, torch.tensor(norm), foreach=False)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # nothing of the step stays allocated until the next one
+        self.scheduler.step(increment=1)
+        self.step += 1
+        return False, norm
+
+    # ------------------------------------------------------------------------------------------------ export
+    def _is_exporter(self) -> bool:
+        return self.dp_rank == 0
+
+    def _pipeline(self) -> tuple[int, int, object]:
+        return 0, 1, None
+
+    def export_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None):
+        """HF-named full tensors in buckets, gathered from the shards (collective over DP: every rank iterates)."""
+        self._require_resident("export weights", weights_enough=True)
+        dtype = dtype or self.dtype
+        bucket, size = [], 0
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            t = full.detach().to(dtype)
+            bucket.append((name[len(ROOT):] if name.startswith(ROOT) else name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save(self, path: str, extra: dict | None = None) -> str:
+        from megatron_rl.policy.fsdp2_checkpoint import save_fsdp2_checkpoint
+
+        self._require_resident("save a checkpoint")
+        extra_state = {"scheduler": self.scheduler.state_dict(), "step": self.step,
+                       "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
+                       "driver": extra or {}}
+        try:
+            return str(save_fsdp2_checkpoint(path, self.model, self.optimizer, step=self.step,
+                                             extra_state=extra_state, hf_dir=self.model_dir,
+                                             dtype=self.dtype, world=self.dp_size))
+        finally:
+            get_platform().trim_host_heap()
+
+    def load(self, path: str) -> dict:
+        from megatron_rl.policy.fsdp2_checkpoint import load_fsdp2_checkpoint
+
+        self._require_resident("load a checkpoint")
+        extra = load_fsdp2_checkpoint(path, self.model, self.optimizer) or {}
+        if "scheduler" in extra:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.step = int(extra.get("step", 0))
+        self.consumed_samples = int(extra.get("consumed_samples", 0))
+        if "rng" in extra:
+            get_platform().set_rng_state(extra["rng"])
+        return extra.get("driver", {})
+
+    def load_weights(self, path: str) -> None:
+        """Model weights only (stage chains), which also become the KL reference (the megatron worker's rule)."""
+        from megatron_rl.policy.fsdp2_checkpoint import load_fsdp2_checkpoint
+
+        self._require_resident("load weights")
+        load_fsdp2_checkpoint(path, self.model, None)
+        self.ref_weights = self._weights_copy()
+
+    # ----------------------------------------------------------------------- residency (policy/residency.py)
+    def _weight_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards (FSDP's unsharded copies exist only inside a forward or backward)."""
+        return [self._local(p) for p in self.model.parameters()]
+
+    def _train_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(Adam state kept, gradients dropped): a step leaves no gradient (set to None), this is for safety."""
+        keep = [self._local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        drop = [self._local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return keep, drop

@@ -1,0 +1,144 @@
+"""Rank bodies for test_fsdp2.py: the FSDP2 policy worker against the megatron worker (the same GRPO step) and HF.
+
+One 2-process launch runs every check that needs the workers, in this order: the megatron step, the FSDP2 step (the
+same batch and config, only `policy.backend` differs, and a micro-batch budget that splits the FSDP2 ranks' shares
+unevenly, so filler micro-batches run), then the FSDP2 worker's lifecycle and an exact resume.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from megatron_rl.lifecycle import LifecycleError
+from megatron_rl.policy.loss_api import LossInputs
+from tests.distributed.policy_bodies import TEMP, _cfg, _gather_obj, _merge, make_batch
+
+WEIGHT_DECAY = 0.1  # nonzero: both backends must leave biases and norm weights undecayed (megatron's grouping)
+
+
+def grpo_loss(inp: LossInputs):
+    """A clipped GRPO surrogate with an entropy bonus, normalised by global tokens (the entropy's gradient flows
+    through the kernel too)."""
+    ratio = torch.exp(inp.logprobs - inp.old_logprobs)
+    clipped = torch.clamp(ratio, 0.8, 1.2)
+    per_tok = -torch.minimum(ratio * inp.advantages, clipped * inp.advantages) - 0.01 * inp.entropy
+    loss = (per_tok * inp.mask).sum() / inp.num_global_tokens
+    return loss, {"loss": loss.detach(), "tokens": inp.mask.sum() / inp.num_global_tokens,
+                  "entropy": (inp.entropy.detach() * inp.mask).sum() / inp.num_global_tokens}
+
+
+def cfg(model_dir, backend: str, budget: int = 4096):
+    c = _cfg(model_dir, budget=budget)
+    c.optimizer.weight_decay = WEIGHT_DECAY
+    return dataclasses.replace(c, backend=backend)
+
+
+def _all(d):
+    """Every rank's {index: value} merged, as a batch-ordered list."""
+    merged = _merge(_gather_obj(d))
+    return [merged[i] for i in range(len(merged))]
+
+
+def _hf_logprobs(model_dir: str, batch) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for ids, p in zip(batch.input_ids, batch.prompt_lens):
+            x = torch.tensor([ids])
+            logp = torch.log_softmax(model(x).logits[0, :-1].float() / TEMP, -1)
+            out.append(logp.gather(-1, x[0, 1:, None])[:, 0][p - 1:])
+    return out
+
+
+def _step(w, batch) -> dict:
+    """export before, logprobs and entropies, one step, export after: the fields both backends are compared on."""
+    before = w.hf_state_dict()
+    lp_ent = _all(w.logprobs(batch, temperature=TEMP, with_entropy=True))
+    res = [r for r in _gather_obj(w.train(batch, grpo_loss, temperature=TEMP)) if r]
+    train_lp = _merge([r["logprobs"] for r in res])
+    after = w.hf_state_dict()
+    ref = _all(w.reference_logprobs(batch, temperature=TEMP))  # the initial weights, after the step
+    return {"before": before, "logprobs": [l for l, _ in lp_ent], "entropy": [e for _, e in lp_ent],
+            "metrics": res[0]["metrics"], "train_logprobs": [train_lp[i] for i in range(len(batch))],
+            "after": after, "ref_logprobs": ref}
+
+
+def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
+    from megatron_rl.models.hf_io import HFCheckpoint
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = make_batch(vocab)
+    out = {"hf_logprobs": _hf_logprobs(model_dir, batch),
+           "hf_state": {k: v.clone() for k, v in HFCheckpoint(model_dir).items()} if rank == 0 else None}
+    m = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg(model_dir, "megatron"), max_steps=10)
+    m.setup()
+    out["megatron"] = _step(m, batch)
+    # 26 tokens a micro-batch: 2 micro-batches on one rank, 3 on the other (a filler on the short one)
+    w = FSDP2PolicyWorker(rank, world_size, policy_cfg=cfg(model_dir, "fsdp2", budget=26), max_steps=10)
+    info = w.setup()
+    out["info"] = info
+    out["fsdp2"] = _step(w, batch)
+    mbs = w._micro_batches(batch)
+    out["fillers"] = _gather_obj((len(mbs), sum(mb.filler for mb in mbs)))
+
+    # lifecycle: offloaded, every read of the weights refuses; onload gives back the same numbers
+    lp_before = _all(w.logprobs(batch, temperature=TEMP))
+    out["resident_report"] = w.memory_report()
+    out["offload_report"] = w.offload()
+    refused = {}
+    for name, call in (("logprobs", lambda: w.logprobs(batch)), ("train", lambda: w.train(batch, grpo_loss)),
+                       ("export", lambda: next(iter(w.export_weights()))),
+                       ("reference", lambda: w.reference_logprobs(batch))):
+        try:
+            call()
+            refused[name] = False
+        except LifecycleError:
+            refused[name] = True
+    out["refused"] = refused
+    out["onload_report"] = w.onload()
+    lp_after = _all(w.logprobs(batch, temperature=TEMP))
+    out["onload_identical"] = all(torch.equal(a, b) for a, b in zip(lp_before, lp_after))
+
+    # exact resume: a second step, save, a third step == a fresh worker that loads and takes the third step
+    w.train(make_batch(vocab, seed=3), grpo_loss, temperature=TEMP)
+    w.save(ckpt_dir, extra={"data_position": 8})
+    b2 = make_batch(vocab, seed=2)
+    m_a = w.train(b2, grpo_loss, temperature=TEMP)["metrics"]
+    a = w.hf_state_dict()
+    w2 = FSDP2PolicyWorker(rank, world_size, policy_cfg=cfg(model_dir, "fsdp2", budget=26), max_steps=10)
+    w2.setup()
+    extra = w2.load(ckpt_dir)
+    m_b = w2.train(b2, grpo_loss, temperature=TEMP)["metrics"]
+    b = w2.hf_state_dict()
+    out["resume"] = {"extra": extra, "steps": (w.step, w2.step), "m_a": m_a, "m_b": m_b,
+                     "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a))}
+    with open(f"{ckpt_dir}/metadata.json") as f:
+        out["ckpt_meta"] = json.load(f)
+    out["bf16"] = bf16_step(rank, world_size, model_dir)
+    return out
+
+
+def bf16_step(rank: int, world_size: int, model_dir: str) -> dict:
+    """test_policy's bf16 step (pg_loss, wd 0) on the FSDP2 backend in bf16 (FSDP mixed precision: bf16 compute,
+    fp32 master weights and gradient reduction), beside the fp32 HF + AdamW reference."""
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from tests.distributed.policy_bodies import hf_reference, pg_loss
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = make_batch(vocab)
+    ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
+    w = FSDP2PolicyWorker(rank, world_size, policy_cfg=dataclasses.replace(_cfg(model_dir, precision="bf16"),
+                                                                           backend="fsdp2"))
+    w.setup()
+    before = w.hf_state_dict()
+    lps = _all(w.logprobs(batch, temperature=TEMP))
+    res = w.train(batch, pg_loss, temperature=TEMP)
+    return {"logprobs": lps, "metrics": res["metrics"], "before": before, "after": w.hf_state_dict(),
+            "ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm,
+            "ref_state": ref_state if rank == 0 else None}
