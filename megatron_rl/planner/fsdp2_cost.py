@@ -16,7 +16,8 @@ Memory per GPU:
   activations and logits: the Megatron model's (cost_model.train_memory) at TP 1, PP 1, no sequence parallelism,
   no recompute (the worker ignores policy.activation_recompute);
   the KL reference (the initial weights' fp32 shards, 4 B/param / world) is in host memory, not on the GPU.
-Time: the Megatron model's compute for TP 1 / PP 1 (cost_model.train_side_times) and FSDP2's collectives on the
+Time: the Megatron model's compute for TP 1 / PP 1 (cost_model.train_side_times: its MFU, and the mean length, so
+  the padding of this backend's padded rows is not counted: a lower bound) and FSDP2's collectives on the
   planner's data-parallel link (cost_model.dp_link_bytes_s): per training micro-batch an all-gather of the params in
   forward and again in backward (compute dtype) and a reduce-scatter of the gradients (fp32); per forward-only
   logprob micro-batch one all-gather. FSDP2 overlaps them with compute (prefetch), so a phase takes the longer of

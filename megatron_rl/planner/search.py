@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                  mb_tokens=args.mb_tokens, enforce_eager=args.enforce_eager, kl=args.kl)
     if args.base is None:  # no recipe: the flags' own defaults describe the workload
         flags.update({k: v for k, v in CLI_DEFAULTS.items() if flags[k] is None})
+    wl = None  # set once the workload is read: a refused Megatron search can still report the FSDP2 side
     try:
         label, spec, note = resolve_model(args.model)
         recipe = typed_config(args.base, []) if args.base else None
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             written = args.write_config
     except (Infeasible, ValueError, FileNotFoundError) as e:
         print(f"megatron-rl plan: refused: {e}", file=sys.stderr)
-        if isinstance(e, Infeasible) and args.backend != "megatron" and not args.json and "wl" in locals():
+        if isinstance(e, Infeasible) and args.backend != "megatron" and not args.json and wl is not None:
             # the Megatron search found no layout: the FSDP2 trainer side on its own (no vLLM side to borrow)
             world = args.gpus if colocated else args.gpus - args.gen_gpus if args.gen_gpus else None
             if world:
