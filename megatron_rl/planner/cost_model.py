@@ -291,8 +291,15 @@ def dispatch_s_per_token_layer(spec, gpu: GPU, tp: int, ep: int) -> float:
     return max(intra, inter) + copy
 
 
+def dp_link_bytes_s(gpu: GPU, gpus: int) -> float:
+    """Achieved bytes/s of a data-parallel collective over `gpus` ranks: NVLink inside one domain, else the network."""
+    return (gpu.nvlink_gb_s if gpus <= gpu.nvlink_domain else gpu.network_gb_s) * 1e9 * COLLECTIVE_EFF
+
+
 def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool, wl: Workload,
-                     ep: int = 1) -> dict:
+                     ep: int = 1, collectives: bool = True) -> dict:
+    """Logprob and train seconds of one step; `collectives=False` leaves out the distributed optimizer's (the FSDP2
+    backend, planner/fsdp2_cost.py, prices its own). `micro`: micro-batches per optimizer step of one replica."""
     a = arch_of(spec)
     group_tokens = math.ceil(wl.samples / dp) * wl.mean_len  # one DP replica's share; idle replicas wait
     dense_rate = tp * gpu.bf16_tflops * 1e12 * _mfu(a.hidden, tp)
@@ -304,15 +311,14 @@ def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool,
     micro = max(1, math.ceil(group_tokens / wl.optimizer_steps / wl.micro_tokens))
     bubble = 1.0 + (pp - 1) / micro
     train = group_tokens * fwd * (4 if recompute else 3) * bubble
-    if dp > 1:  # distributed optimizer: fp32 grad reduce-scatter + bf16 param all-gather, once per optimizer step
-        dense, expert = max(stage_param_split(a, tp, pp, ep), key=sum)
+    if dp > 1 and collectives:  # distributed optimizer: fp32 grad reduce-scatter + bf16 param all-gather, once per
+        dense, expert = max(stage_param_split(a, tp, pp, ep), key=sum)  # optimizer step
         edp = dp // ep
-        bw = gpu.nvlink_gb_s if tp * pp * dp <= gpu.nvlink_domain else gpu.network_gb_s
         moved = 6.0 * (dense * (dp - 1) / dp + expert * (edp - 1) / edp)
-        train += wl.optimizer_steps * moved / (bw * 1e9 * COLLECTIVE_EFF)
+        train += wl.optimizer_steps * moved / dp_link_bytes_s(gpu, tp * pp * dp)
     logprobs = wl.logprob_passes * group_tokens * fwd * bubble
     balance = sum(stages) / (pp * fwd)
-    return {"logprobs": logprobs, "train": train, "bubble": bubble - 1.0, "balance": balance}
+    return {"logprobs": logprobs, "train": train, "bubble": bubble - 1.0, "balance": balance, "micro": micro}
 
 
 def tp_allreduce_s(nbytes: float, n: int, gpu: GPU) -> float:

@@ -3,10 +3,14 @@ count and a GRPO workload.
 
     megatron-rl plan --model NAME_OR_HF_CONFIG --gpus N [--gpu h100|h200|a100|gb200] [--seq-len L]
                      [--colocated | --disaggregated [--gen-gpus G] [--max-staleness K]]
-                     [--base RECIPE.yaml] [--write-config OUT.yaml]
+                     [--base RECIPE.yaml] [--write-config OUT.yaml] [--backend megatron|fsdp2|both]
 
 For every candidate layout it estimates memory per GPU and the time of one GRPO step, keeps what fits and prints the
 fastest few with the constraint that binds. Planning is arithmetic only (well under a second).
+
+Backends (policy.backend): --backend both (the default) prints the Megatron layouts and, beside them, the FSDP2 plan
+for the same model and trainer GPUs (all ranks data-parallel: memory per GPU, whether it fits, the step time with
+the best Megatron layout's vLLM side); megatron or fsdp2 prints one. The FSDP2 model is at the end of this text.
 
 Modes (what `cluster.colocated` and `grpo.max_staleness` select in the runtime):
   --colocated        the trainer and vLLM share every GPU and take turns (the runtime's default placement).
@@ -38,11 +42,13 @@ from megatron_rl.distributed.parallel_dims import (
 )
 from megatron_rl.planner import cost_model
 from megatron_rl.planner.architecture import active_params, arch_of, deepseek_v3_arch, pp_problem, total_params
+from megatron_rl.planner import fsdp2_cost
 from megatron_rl.planner.cost_model import (  # noqa: F401  (re-exported: the planner's model is part of its API)
     EAGER_LAUNCH_S_PER_LAYER, GiB, Infeasible, Plan, Workload, act_bytes_per_token_layer, evaluate,
-    fwd_flops_per_token, generation_time, kv_bytes_per_token, matmul_params, stage_params,
+    fwd_flops_per_token, generation_time, kv_bytes_per_token, matmul_params, stage_params, step_time,
     train_memory, train_side_times, usable_bytes, vllm_weight_bytes,
 )
+from megatron_rl.planner.fsdp2_cost import Fsdp2Plan, fsdp2_plan  # noqa: F401  (re-exported)
 from megatron_rl.planner.presets import GPU, GPUS, MODELS, PLAN_ONLY
 
 TP_SIZES = (1, 2, 4, 8)
@@ -208,7 +214,8 @@ def _parser() -> argparse.ArgumentParser:
     from megatron_rl.planner.recipe import WORKLOAD_KEYS
 
     keys = "\n".join(f"  {flag:<38} {key}" for flag, key in WORKLOAD_KEYS.items())
-    ap = argparse.ArgumentParser(prog="megatron-rl plan", description=f"{__doc__}{keys}\n\n{cost_model.__doc__}",
+    ap = argparse.ArgumentParser(prog="megatron-rl plan", description=f"{__doc__}{keys}\n\n{cost_model.__doc__}\n"
+                                 f"{fsdp2_cost.__doc__}",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="preset name or HF config.json / model folder")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs in the job (trainer and vLLM together)")
@@ -235,7 +242,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--write-config", type=Path, default=None, metavar="OUT", help="write the best layout as a "
                     "config (inheriting --base) after the config loader accepted it")
     ap.add_argument("--top", type=int, default=5)
-    ap.add_argument("--json", action="store_true", help="print the plans as JSON")
+    ap.add_argument("--json", action="store_true", help="print the Megatron plans as JSON")
+    ap.add_argument("--backend", choices=("megatron", "fsdp2", "both"), default="both",
+                    help="policy.backend to plan for (default: both, side by side; the FSDP2 step takes its vLLM "
+                         "side from the best Megatron layout)")
     return ap
 
 
@@ -262,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                  mb_tokens=args.mb_tokens, enforce_eager=args.enforce_eager, kl=args.kl)
     if args.base is None:  # no recipe: the flags' own defaults describe the workload
         flags.update({k: v for k, v in CLI_DEFAULTS.items() if flags[k] is None})
+    wl = None  # set once the workload is read: a refused Megatron search can still report the FSDP2 side
     try:
         label, spec, note = resolve_model(args.model)
         recipe = typed_config(args.base, []) if args.base else None
@@ -284,11 +295,24 @@ def main(argv: list[str] | None = None) -> int:
             written = args.write_config
     except (Infeasible, ValueError, FileNotFoundError) as e:
         print(f"megatron-rl plan: refused: {e}", file=sys.stderr)
+        if isinstance(e, Infeasible) and args.backend != "megatron" and not args.json and wl is not None:
+            # the Megatron search found no layout: the FSDP2 trainer side on its own (no vLLM side to borrow)
+            world = args.gpus if colocated else args.gpus - args.gen_gpus if args.gen_gpus else None
+            if world:
+                _report_fsdp2(spec, gpu, wl, world, None, k)
+            else:
+                print("FSDP2: not planned (its trainer GPUs are the Megatron layout's; give --colocated or "
+                      "--gen-gpus)")
         return 2
     if args.json:
         print(json.dumps([asdict(p) for p in plans], indent=2))
         return 0
-    _report(args, label, spec, note, gpu, wl, plans, colocated, k)
+    if args.backend != "fsdp2":
+        _report(args, label, spec, note, gpu, wl, plans, colocated, k)
+    else:
+        print(f"{label}: {total_params(arch_of(spec)) / 1e9:.2f}B parameters, {args.gpus} x {gpu.name}")
+    if args.backend != "megatron":
+        _report_fsdp2(spec, gpu, wl, plans[0].train_gpus, plans[0], k)
     if written:
         print(f"wrote {written}" + (f" ({model_note})" if model_note else "") + f": megatron-rl train {written}")
     return 0
@@ -334,6 +358,34 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
     moe = f" (routed experts {cost_model.MOE_MFU:.2f})" if a.moe else ""
     print(f"estimates: MFU {cost_model.MFU:.2f}{moe}, decode at {cost_model.DECODE_BW_EFF:.0%} of HBM bandwidth; see "
           "`megatron-rl plan --help` for the model")
+
+
+def _report_fsdp2(spec, gpu, wl, world: int, best: Plan | None, k: int) -> Fsdp2Plan:
+    """The FSDP2 plan on the trainer's `world` GPUs; with `best`, its step with best's generation, refit and switch
+    (the host moves are priced for Megatron's state) and the comparison of the two training sides."""
+    f = fsdp2_plan(spec, world, gpu, wl)
+    parts = " + ".join(f"{name} {v:.1f}" for name, v in f.memory_gib.items())
+    verdict = "fits" if f.fits else "does not fit"
+    print(f"FSDP2 (policy.backend=fsdp2, DP {world}, fp32 master weights, bf16 compute), memory per GPU (GiB): "
+          f"{parts} = {f.peak_gib:.1f} of {f.usable_gib:.1f} usable: {verdict}; the KL reference is on the host "
+          f"({f.host_reference_gib:.1f} GiB per rank), not the GPU")
+    if best is None:
+        print(f"FSDP2 training side (s): logprobs {f.times_s['logprobs']:.1f} + train {f.times_s['train']:.1f} "
+              f"(collectives {f.collectives_s:.1f}, overlapped); no Megatron layout to take the vLLM side from")
+        return f
+    if not f.fits:
+        return f
+    times = {**best.times_s, **f.times_s}
+    step = step_time(times, max_staleness=k)
+    tps = wl.samples * wl.mean_len / step / best.total_gpus
+    shown = " + ".join(f"{name} {v:.1f}" for name, v in times.items() if best.colocated or name != "switch")
+    print(f"FSDP2 step time (s): {shown} = {step:.1f}, {tps:,.0f} tok/s/GPU (collectives {f.collectives_s:.1f} s, "
+          f"overlapped; vLLM {best.gen_tp} x {best.gen_instances} as the best Megatron layout)")
+    t = best.times_s
+    print(f"FSDP2 vs best Megatron {best.tp}/{best.pp}/{best.dp}: training side (logprobs + train) "
+          f"{f.train_side_s:.1f} vs {t['logprobs'] + t['train']:.1f} s, step {step:.1f} vs {best.step_s:.1f} s, "
+          f"memory per GPU {f.peak_gib:.1f} vs {best.train_peak_gib:.1f} GiB")
+    return f
 
 
 if __name__ == "__main__":

@@ -73,8 +73,8 @@ HELP = {
     ("convert",): ["hf-to-megatron", "megatron-to-hf", "--hf", "--ckpt", "--out", "--tp", "--dtype"],
     ("convert", "hf-to-megatron"): ["--hf", "--out", "--dtype", "--tp", "--pp", "--ep"],
     ("convert", "megatron-to-hf"): ["--ckpt", "--out", "--dtype", "--max-shard-gb", "--no-verify"],
-    ("plan",): ["--model", "--gpus", "--gpu", "--seq-len", "--base", "--write-config", "cluster.colocated",
-                "grpo.max_staleness", "grpo.num_prompts_per_step"],
+    ("plan",): ["--model", "--gpus", "--gpu", "--seq-len", "--base", "--write-config", "--backend", "policy.backend",
+                "cluster.colocated", "grpo.max_staleness", "grpo.num_prompts_per_step"],
     ("info",): ["--json", "platform", "devices"],
 }
 SECTIONS = ("cluster", "policy", "generation", "grpo", "data", "reward", "checkpoint", "logging", "output", "sft",
