@@ -135,16 +135,24 @@ def test_killed_teacher_rank_fails_fast_and_named(parts):
     assert time.monotonic() - t0 < 33
 
 
-def test_cli_distillation_run(tiny_model_factory, tmp_path):
+# async: disaggregated engines generate step s+1 while step s trains, so the teacher scores a rollout one version old
+# and the importance correction sees staleness 1 (the teacher then shares the policy's bundles, resident)
+@pytest.mark.parametrize("mode", [[], ["cluster.colocated=false", "grpo.max_staleness=1"]], ids=["colocated", "async"])
+def test_cli_distillation_run(tiny_model_factory, tmp_path, mode):
     student, teacher = _models(tiny_model_factory)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
            f"policy.model={student}", f"output.dir={out}", f"distillation.teacher={teacher}", "grpo.max_steps=2",
-           "checkpoint.every_steps=0", "logging.progress=false", "logging.plots=false", *SMALL]
+           "checkpoint.every_steps=0", "logging.progress=false", "logging.plots=false", *SMALL, *mode]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trained = [x for x in recs if "reverse_kl" in x]
     assert [x["step"] for x in trained] == [1, 2]
     assert all(x["reverse_kl"] > 0 and x["time_teacher_s"] > 0 and not x["skipped"] for x in trained)
-    assert (out / "logs" / "teacher-0.log").is_file() and (out / "logs" / "teacher-1.log").is_file()
+    # one teacher rank on each policy device: 2 colocated, 1 when the engine has the other device
+    logs = out / "logs"
+    assert sorted(p.name for p in logs.glob("teacher-*.log")) == [p.name.replace("policy", "teacher")
+                                                                 for p in sorted(logs.glob("policy-*.log"))]
+    if mode:  # step 2 trained on the rollout generated while step 1 trained
+        assert [x["staleness_max"] for x in recs if "reverse_kl" in x] == [0, 1]
