@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.distributed.worker_group import WorkerGroup
+from megatron_rl.policy.group_calls import LifecycleCalls
 from megatron_rl.policy.interface import LossFn, RolloutBatch, TrainResult
 from megatron_rl.weights.manifest import RefitHandle
 from megatron_rl.weights.routing import RoutedUpdate
@@ -26,10 +26,8 @@ def _merge(per_rank: list[dict | None], n: int, what: str) -> list:
     return [out[i] for i in range(n)]
 
 
-class PolicyGroup:
-    def __init__(self, group: WorkerGroup):
-        self.group = group
-        self.info = group.call("setup")
+class PolicyGroup(LifecycleCalls):
+    role = "policy"
 
     def _put(self, batch: RolloutBatch):
         import ray
@@ -92,29 +90,9 @@ class PolicyGroup:
     def release_refit(self) -> None:
         self.group.call("release_refit")
 
-    def offload(self) -> list[dict]:
-        """Every rank's trainer state to host memory (colocated handover); returns each rank's memory report."""
-        return self.group.call("offload")
-
     def offload_train_state(self) -> list[dict]:
         """Gradients and optimizer state to host memory, weights kept (before a colocated refit)."""
         return self.group.call("offload_train_state")
-
-    def onload(self) -> list[dict]:
-        return self.group.call("onload")
-
-    def memory_report(self) -> list[dict]:
-        return self.group.call("memory_report")
-
-    def state(self) -> str:
-        """The ranks' common lifecycle state; ranks that disagree mean a handover half-happened."""
-        states = {r["state"] for r in self.memory_report()}
-        if len(states) != 1:
-            raise RuntimeError(f"policy ranks disagree on their lifecycle state: {sorted(states)}")
-        return states.pop()
-
-    def set_threads(self, n: int) -> None:
-        self.group.call("set_threads", n)
 
     def shutdown(self) -> None:
         try:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config.schema import PolicyConfig
-from megatron_rl.distributed.worker_group import RankWorker, WorkerGroup
+from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.policy.forward_pass import ForwardPass, build_loaded_model, init_rank
+from megatron_rl.policy.group_calls import LifecycleCalls
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
 
@@ -87,12 +88,10 @@ class TeacherWorker(ForwardPass, Residency, RankWorker):
         set_cpu_threads(n)
 
 
-class TeacherGroup:
+class TeacherGroup(LifecycleCalls):
     """Driver side of the teacher ranks (as `policy.group.PolicyGroup` is of the policy's)."""
 
-    def __init__(self, group: WorkerGroup):
-        self.group = group
-        self.info = group.call("setup")
+    role = "teacher"
 
     def logprobs(self, batch: RolloutBatch, temperature: float = 1.0) -> list[torch.Tensor]:
         import ray
@@ -110,24 +109,6 @@ class TeacherGroup:
         pairs = _merge(self.group.call("topk_logprobs", ray.put(batch), k, temperature), len(batch),
                        "teacher top-k logprobs")
         return [p[0] for p in pairs], [p[1] for p in pairs]
-
-    def offload(self) -> list[dict]:
-        return self.group.call("offload")
-
-    def onload(self) -> list[dict]:
-        return self.group.call("onload")
-
-    def memory_report(self) -> list[dict]:
-        return self.group.call("memory_report")
-
-    def state(self) -> str:
-        states = {r["state"] for r in self.memory_report()}
-        if len(states) != 1:
-            raise RuntimeError(f"teacher ranks disagree on their lifecycle state: {sorted(states)}")
-        return states.pop()
-
-    def set_threads(self, n: int) -> None:
-        self.group.call("set_threads", n)
 
     def shutdown(self) -> None:
         self.group.shutdown()
