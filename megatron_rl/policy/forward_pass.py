@@ -27,15 +27,26 @@ def init_rank(cfg: PolicyConfig, local_rank: int) -> torch.device:
     """This process's device, torch.distributed and megatron's model-parallel groups for cfg's split."""
     from megatron.core import parallel_state as ps
 
-    plat = get_platform()
     install_megatron_cpu_compat()
+    device = join_process_group(local_rank)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                 expert_model_parallel_size=cfg.ep)
+    return device
+
+
+def join_process_group(local_rank: int) -> torch.device:
+    """This rank's device, and torch.distributed on the platform's backend (gloo on CPU, nccl on CUDA); any backend's
+    rank calls it (the FSDP2 worker too) before building its model."""
+    plat = get_platform()
+    # GPU only: a CPU rank has one device, so no CPU test can pick the wrong one here. On CUDA, Ray's placement sets
+    # CUDA_VISIBLE_DEVICES per actor and local_rank indexes what it left visible (test_gpu_placement checks, on
+    # logical GPUs, which GPU ids and CUDA_VISIBLE_DEVICES each actor gets); set before init_process_group so nccl
+    # binds this device.
     if plat.is_gpu:
         torch.cuda.set_device(int(local_rank))
     if not dist.is_initialized():
         dist.init_process_group(plat.dist_backend)
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                 expert_model_parallel_size=cfg.ep)
     return plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
 
 

@@ -35,6 +35,7 @@ from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, packing
+from megatron_rl.policy.forward_pass import join_process_group
 from megatron_rl.policy.grad_ops import build_scheduler
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
@@ -91,11 +92,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         from transformers import AutoModelForCausalLM
 
         cfg, plat = self.cfg, get_platform()
-        if plat.is_gpu:
-            torch.cuda.set_device(int(self._local_rank(self.rank)))
-        if not dist.is_initialized():
-            dist.init_process_group(plat.dist_backend)
-        self.device = plat.device(torch.cuda.current_device() if plat.is_gpu else 0)
+        self.device = join_process_group(self._local_rank(self.rank))
         self.mesh = init_device_mesh(plat.device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
         self.dp_group = self.mesh.get_group("dp")
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
