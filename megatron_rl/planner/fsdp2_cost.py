@@ -14,7 +14,7 @@ Memory per GPU:
   layers (the one running and the one FSDP2 prefetches);
   unsharded grads: the root's and one layer's gradient in the compute dtype until their reduce-scatter;
   activations and logits: the Megatron model's (cost_model.train_memory) at TP 1, PP 1, no sequence parallelism,
-  no recompute (the worker ignores policy.activation_recompute);
+  no recompute (the worker's policy.activation_recompute is not priced here yet);
   the KL reference (the initial weights' fp32 shards, 4 B/param / world) is in host memory, not on the GPU.
 Time: the Megatron model's compute for TP 1 / PP 1 (cost_model.train_side_times: its MFU, and the mean length, so
   the padding of this backend's padded rows is not counted: a lower bound) and FSDP2's collectives on the

@@ -15,6 +15,8 @@ Differences that are the backend's:
   so the shards' gradients must be summed (divide factor 1), as megatron's per-token mode does.
 - Every forward all-gathers over DP, so every rank runs the same number of micro-batches: the plan pads the short
   ranks with filler rows (`microbatch.plan(equal_counts=True)`, zero loss), as megatron does for experts.
+- Activation recompute (`policy.activation_recompute`): transformers' per-layer gradient checkpointing, non-
+  reentrant, inside each layer's FSDP unit, so the recompute runs while that layer's weights are gathered.
 - No shared-prefix rows (the HF attention gets no block mask here) and no varlen packing: one padded row per
   sequence (the config loader refuses packing=varlen, TP, PP, EP, LoRA with this backend; docs/fsdp2.md).
 - Optimizer: torch AdamW over the DTensor shards with megatron's parameter groups (no weight decay on biases and
@@ -106,6 +108,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))
         lm.to(self.device)
+        if cfg.activation_recompute:  # each decoder layer's activations recomputed in its backward (HF's own hook,
+            # which keeps the parameter names: a wrapper module would rename every tensor the export and DCP write)
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if self.dtype != torch.float32 else MixedPrecisionPolicy()
         kw = dict(mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
@@ -203,6 +208,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         its DP share's logprobs; the metrics are the whole batch's)."""
         fields = StepFields(batch)
         self._require_resident("train")
+        self.model.train()  # from_pretrained leaves eval mode; HF's recompute hook runs in training mode only
         mbs = self._micro_batches(batch)
         own_lp: dict[int, torch.Tensor] = {}
         reduced = []

@@ -84,6 +84,7 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
     info = w.setup()
     out["info"] = info
     out["fsdp2"] = _step(w, batch)
+    out["recompute"] = recompute_step(rank, world_size, model_dir, batch)
     mbs = w._micro_batches(batch)
     out["fillers"] = _gather_obj((len(mbs), sum(mb.filler for mb in mbs)))
 
@@ -122,6 +123,24 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
         out["ckpt_meta"] = json.load(f)
     out["bf16"] = bf16_step(rank, world_size, model_dir)
     return out
+
+
+def recompute_step(rank: int, world_size: int, model_dir: str, batch) -> dict:
+    """The same step with `policy.activation_recompute`: each decoder layer's forward runs again in the backward
+    (counted by a forward hook on the first layer's attention), and the step is the same."""
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker, decoder_layers
+
+    c = dataclasses.replace(cfg(model_dir, "fsdp2", budget=26), activation_recompute=True)
+    w = FSDP2PolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
+    w.setup()
+    calls = []
+    # the attention, not the MLP: non-reentrant recompute stops early, inside the last module that saved a tensor
+    decoder_layers(w.model.lm)[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    res = _step(w, batch)
+    n_train = len(calls)
+    w.logprobs(batch, temperature=TEMP)
+    n_fwd = len(calls) - n_train
+    return {"metrics": res["metrics"], "after": res["after"], "attn_calls": (n_train, n_fwd)}
 
 
 def bf16_step(rank: int, world_size: int, model_dir: str) -> dict:

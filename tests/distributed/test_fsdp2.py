@@ -48,6 +48,19 @@ def test_same_grpo_step_on_both_backends(results):
     assert moved == len(after_f)  # every tensor took the update (weight decay or gradient)
 
 
+def test_activation_recompute_reruns_each_layer_and_changes_no_update(results):
+    r = results[0]
+    rc, plain = r["recompute"], r["fsdp2"]
+    n_train, n_fwd = rc["attn_calls"]
+    # _step runs logprobs (once per micro-batch), train (forward, then again in the backward: twice) and the
+    # reference logprobs (once): 4x one forward pass's calls; without recompute it would be 3x
+    assert n_fwd > 0 and n_train == 4 * n_fwd, rc["attn_calls"]
+    for key in ("loss", "entropy", "grad_norm", "lr"):
+        assert rc["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-6, abs=1e-8), key
+    for k, v in rc["after"].items():
+        torch.testing.assert_close(v, plain["after"][k], atol=1e-6, rtol=1e-6, msg=lambda s: f"{k}: {s}")
+
+
 def test_uneven_microbatch_counts_ran_fillers(results):
     counts = results[0]["fillers"]
     assert len({n for n, _ in counts}) == 1  # equal counts: every forward all-gathers over DP
