@@ -19,10 +19,10 @@ from functools import lru_cache
 
 @lru_cache(maxsize=8)
 def matmul_params_of(model_dir: str) -> int:
-    from megatron_rl.models.provider import model_spec
+    from megatron_rl.models.provider import shape_spec
     from megatron_rl.planner.architecture import matmul_params
 
-    return matmul_params(model_spec(model_dir))
+    return matmul_params(shape_spec(model_dir))  # any family: the FSDP2 backend trains models the mapping lacks
 
 
 def phase_flops_per_s(n_matmul: int, rec: dict, *, tokens_fed: float, logprob_passes: int) -> dict[str, float]:

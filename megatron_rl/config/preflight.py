@@ -40,13 +40,17 @@ def check_generation_platform(cfg: Config) -> None:
 
 
 def _model_spec(cfg: Config, model_dir: Path):
-    from megatron_rl.models.provider import UnsupportedModelError, load_hf_config, model_spec
+    from megatron_rl.models.provider import UnsupportedModelError, load_hf_config, model_spec, shape_spec
 
     try:
-        hf, label = load_hf_config(model_dir)
-        return model_spec(hf), label
+        _, label = load_hf_config(model_dir)
+        # the megatron backend builds the model from the spec, so it must represent the family; fsdp2 runs
+        # transformers' own model and needs only its shape
+        return (shape_spec(model_dir) if cfg.policy.backend == "fsdp2" else model_spec(model_dir)), label
     except (OSError, ValueError, KeyError, UnsupportedModelError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        if isinstance(e, UnsupportedModelError):
+            detail += " (policy.backend=fsdp2 trains any Hugging Face causal LM as transformers builds it)"
         raise ConfigError(f"policy.model={cfg.policy.model}: {detail}") from None
 
 

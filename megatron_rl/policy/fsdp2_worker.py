@@ -35,6 +35,7 @@ from torch import nn
 from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
+from megatron_rl.models.checkpoint import FSDP2_PREFIX
 from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, packing
 from megatron_rl.policy.forward_pass import join_process_group
@@ -44,7 +45,7 @@ from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
-ROOT = "lm."  # the HF model's attribute in `_Scorer`: parameter names minus this prefix are the HF names
+ROOT = FSDP2_PREFIX  # the HF model is `_Scorer.lm`: parameter names minus this prefix are the HF names
 
 
 class _Scorer(nn.Module):
@@ -62,9 +63,13 @@ class _Scorer(nn.Module):
         out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, use_cache=False)
         hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
         head = self.lm.get_output_embeddings()
-        if self.fused and head.bias is None:  # no [tokens, vocab] logits in forward or backward (kernels/linear.py)
+        cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma-2: cap * tanh(logits / cap)
+        if self.fused and head.bias is None and not cap:  # no [tokens, vocab] logits in forward or backward
             return linear_token_logprobs(hidden, head.weight, targets, temperature=temperature, return_entropy=True)
-        return token_logprobs_and_entropy(head(hidden), targets, temperature=temperature)
+        logits = head(hidden)
+        if cap:  # the fused kernel's tiles are plain matmuls: a capped model forms its logits, as HF's forward does
+            logits = torch.tanh(logits / cap) * cap
+        return token_logprobs_and_entropy(logits, targets, temperature=temperature)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
@@ -91,7 +96,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
     def setup(self) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg, plat = self.cfg, get_platform()
         self.device = join_process_group(self._local_rank(self.rank))
@@ -102,7 +107,11 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.dtype = plat.resolve_dtype(cfg.precision)
         torch.manual_seed(cfg.seed)
         # fp32 master weights always; bf16 is FSDP's compute dtype (gradients reduced in fp32)
-        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        # sdpa (transformers' default) has no attention-score soft-capping: a capped model (Gemma-2) would train a
+        # different function than the one vLLM serves; eager applies the cap
+        capped = getattr(AutoConfig.from_pretrained(self.model_dir), "attn_logit_softcapping", None)
+        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32,
+                                                  **({"attn_implementation": "eager"} if capped else {}))
         lm.config.use_cache = False
         self.hf_config = lm.config
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]

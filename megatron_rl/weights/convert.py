@@ -233,7 +233,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
     from megatron_rl.models.checkpoint import HF_DIR, read_metadata, verify_checkpoint
     from megatron_rl.models.hf_io import (copy_tokenizer_files, dtype_name, finalize_safetensors, publish_permissions,
                                           resolve_dtype)
-    from megatron_rl.models.provider import model_spec
+    from megatron_rl.models.provider import model_spec, shape_spec
     from megatron_rl.weights.model_card import model_card
 
     t0 = time.perf_counter()
@@ -241,7 +241,11 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
     meta = verify_checkpoint(ckpt) if verify else read_metadata(ckpt)  # corrupt files → error naming the file
     if meta.get("hf_config") is None:
         raise ConversionError(f"{ckpt}/metadata.json records no HF config; cannot export")
-    spec = model_spec(meta["hf_config"])
+    fsdp2 = meta.get("backend") == "fsdp2"  # transformers' own model in DCP: one process reads it (convert_fsdp2.py)
+    if fsdp2 and (tp, pp, ep) != (1, 1, 1):
+        raise ConversionError(f"--tp {tp} --pp {pp} --ep {ep}: {ckpt} is an FSDP2 checkpoint (policy.backend=fsdp2), "
+                              "which one process exports whatever its sharding; leave them at 1")
+    spec = shape_spec(meta["hf_config"]) if fsdp2 else model_spec(meta["hf_config"])
     spec.validate_parallel(tp, pp, ep)
     lora = meta.get("adapters")
     if peft and lora is None:
@@ -264,8 +268,14 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
         dist.broadcast_object_list(box, src=0)  # object collective on gloo: torch picks the device
         tmp = box[0]
     try:
-        ranks = _launch(_m2h_body, tp * pp * ep,
-                        (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes), peft))
+        if fsdp2:
+            from megatron_rl.weights.convert_fsdp2 import fsdp2_export_part
+
+            ranks = [fsdp2_export_part(ckpt, meta["hf_config"], tmp, resolve_dtype(out_dtype),
+                                       int(max_shard_bytes))] if _is_coordinator() else []
+        else:
+            ranks = _launch(_m2h_body, tp * pp * ep,
+                            (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes), peft))
         files = []
         if _is_coordinator() and peft:
             from megatron_rl.config.schema import LoraConfig
@@ -302,7 +312,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
     nbytes = sum(p[2] for r in ranks for p in r["parts"])
     return {"direction": "megatron-to-hf", "src": str(ckpt), "out": str(out), "tp": tp, "pp": pp, "ep": ep,
             "dtype": out_dtype, "files": files, "bytes": nbytes, "wall_s": time.perf_counter() - t0,
-            "worker_s": max(r["load_s"] + r["write_s"] for r in ranks)}
+            "worker_s": max((r["load_s"] + r["write_s"] for r in ranks), default=0.0)}
 
 
 # ----------------------------------------------------------------------------------------------------------------

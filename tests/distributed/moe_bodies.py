@@ -45,7 +45,8 @@ def layouts_vs_hf(rank: int, world_size: int, layouts: list[tuple[int, int, int]
 
     from megatron_rl.models.mapping import iter_hf_tensors, load_hf_into_model
     from megatron_rl.models.provider import build_model
-    from megatron_rl.models.tiny import disk_state_dict, make_tiny_hf_model
+    from megatron_rl.models.hf_io import disk_state_dict
+    from megatron_rl.models.tiny import make_tiny_hf_model
     from megatron_rl.platform import install_megatron_cpu_compat
 
     install_megatron_cpu_compat()
@@ -124,7 +125,8 @@ def ep2_uneven_tokens_and_grads(rank: int, world_size: int, kind: str):
 
     from megatron_rl.models.mapping import expert_owner, load_hf_into_model
     from megatron_rl.models.provider import build_model
-    from megatron_rl.models.tiny import disk_state_dict, make_tiny_hf_model
+    from megatron_rl.models.hf_io import disk_state_dict
+    from megatron_rl.models.tiny import make_tiny_hf_model
     from megatron_rl.platform import install_megatron_cpu_compat
 
     install_megatron_cpu_compat()

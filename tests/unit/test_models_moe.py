@@ -13,7 +13,8 @@ from megatron_rl.models.mapping import (
     expected_hf_shapes, expert_owner, hf_to_megatron_shard, mapping_table, megatron_shards_to_hf,
 )
 from megatron_rl.models.provider import UnsupportedModelError, model_spec, transformer_config
-from megatron_rl.models.tiny import disk_state_dict, make_tiny_hf_model, tiny_hf_config
+from megatron_rl.models.hf_io import disk_state_dict
+from megatron_rl.models.tiny import make_tiny_hf_model, tiny_hf_config
 from megatron_rl.platform import get_platform
 
 KINDS = ("qwen3", "qwen3_moe", "mixtral")

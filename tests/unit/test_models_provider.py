@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_rl.models.provider import (
-    ModelSpec, UnsupportedModelError, llama3_inv_freq, model_spec, transformer_config,
+    ModelSpec, UnsupportedModelError, llama3_inv_freq, model_spec, shape_spec, transformer_config,
 )
 from megatron_rl.models.tiny import make_tiny_hf_model, tiny_hf_config
 
@@ -72,6 +72,22 @@ def test_unsupported_biases_and_qwen2_sliding_window():
 def test_num_parameters_matches_transformers(kind):
     hf = make_tiny_hf_model(kind)
     assert model_spec(hf.config).num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+def test_shape_spec_of_a_family_megatron_cannot_build():
+    """The FSDP2 backend's view of an unmapped model (OLMo-2): megatron's spec refuses it, the shape spec reads it,
+    and counts transformers' own parameters except OLMo-2's q/k norms (the dense shape has none)."""
+    cfg = tiny_hf_config("olmo2")
+    with pytest.raises(UnsupportedModelError, match="Olmo2ForCausalLM"):
+        model_spec(cfg)
+    s = shape_spec(cfg)
+    hf = make_tiny_hf_model("olmo2")
+    assert (s.num_layers, s.hidden_size, s.num_heads, s.head_dim, s.vocab_size) == (2, 64, 2, 32, 250)
+    qk_norms = sum(p.numel() for n, p in hf.named_parameters() if ".q_norm." in n or ".k_norm." in n)
+    assert s.num_parameters() == sum(p.numel() for p in hf.parameters()) - qk_norms
+    assert shape_spec(SMOLLM2) == model_spec(SMOLLM2)  # a family megatron builds keeps its exact spec
+    with pytest.raises(UnsupportedModelError, match="no hidden_size"):
+        shape_spec({k: v for k, v in cfg.items() if k != "hidden_size"})
 
 
 def test_tiny_specs_cover_the_interesting_cases():
