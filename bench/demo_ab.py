@@ -5,6 +5,7 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare async ...
     .venv/bin/python bench/demo_ab.py --compare packing ...
     .venv/bin/python bench/demo_ab.py --compare fused_head ...
+    .venv/bin/python bench/demo_ab.py --compare backend ...
     .venv/bin/python bench/demo_ab.py --compare lora [--lora-lr 1e-4] [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --compare distill [--teacher runs/demo_cpu/hf_final] [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
@@ -29,6 +30,9 @@ override turns it on (`grpo.val_every=10`: then each run's learning curve is pri
   (docs/distillation.md). --smoke distils the tiny model from another random one.
 - fused_head: the lm_head's logits formed, then the logprob kernel (policy.fused_lm_head=false) vs the lm_head fused
   into it (the default; kernels/linear.py): what never forming [tokens, vocab] costs or saves in step time.
+- backend: the megatron-core trainer vs the FSDP2 one on the HF model (policy.backend=fsdp2, docs/fsdp2.md), each
+  with its defaults (megatron: packed varlen rows with the shared prompt once on CPU; fsdp2: one padded row per
+  sequence): step time, its phases and the trainer's peak memory.
 --smoke: both variants of --compare for one step each (no warm-up dropped) through the same `build.run` on a tiny
 random Llama (bench/smoke_model.py), 2 prompts x 2 generations of 4 new tokens; prints the same table and exits
 non-zero unless each run trained its step (tests/unit/test_bench_smokes.py runs it when asked, `-m slow`: two
@@ -57,6 +61,7 @@ COMPARISONS = {
     },
     "packing": {"bf16 mask (packing=none)": ["policy.precision=bf16", "policy.packing=none"],
                 "bf16 cascade (packing=varlen)": ["policy.precision=bf16", "policy.packing=varlen"]},
+    "backend": {"megatron": ["policy.backend=megatron"], "fsdp2": ["policy.backend=fsdp2"]},
     "fused_head": {"logits formed (fused_lm_head=false)": ["policy.fused_lm_head=false"],
                    "fused lm_head (the default)": ["policy.fused_lm_head=true"]},
     # LoRA wants a larger LR than full fine-tuning (B starts at zero, few weights move): on the demo 1e-4 (5x) learned

@@ -53,6 +53,10 @@ SLOW = {
     "soak": (["--smoke"], ["leaked /dev/shm: mrl-refit-* 0", "checkpoints kept: ['step_2']",
                            "processes left after shutdown: []"], 600),
     "demo_ab": (["--smoke"], ["median over steps 1..1", "bf16 vs fp32: step time"], 900),
+    # the two training backends; the fsdp2 trainer's own path runs in the default suite (tests/integration's
+    # lifecycle, resume and fault tests are parametrised by policy.backend)
+    "demo_ab_backend": (["--smoke", "--compare", "backend"], ["median over steps 1..1", "fsdp2 vs megatron: speed",
+                                                              "smoke ok"], 900),
     "phase_limits_both_dtypes": (["--smoke"], ["fp32 matmul GFLOP/s", "bf16 matmul GFLOP/s", "bf16/fp32"], 900),
 }
 PARAMS = [pytest.param(k, *v, id=k) for k, v in sorted(CASES.items())] + \
@@ -63,7 +67,7 @@ PARAMS = [pytest.param(k, *v, id=k) for k, v in sorted(CASES.items())] + \
                     reason="the embedded model's tokenizer is missing: run launch/setup_env.sh")
 @pytest.mark.parametrize("bench,argv,expect,timeout", PARAMS)
 def test_bench_smoke(bench, argv, expect, timeout):
-    script = bench.removesuffix("_both_dtypes").removesuffix("_lora")
+    script = bench.removesuffix("_both_dtypes").removesuffix("_lora").removesuffix("_backend")
     # the benches import megatron_rl from this checkout, whatever the venv's editable install points at
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     t0 = time.perf_counter()
