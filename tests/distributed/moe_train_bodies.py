@@ -56,7 +56,7 @@ def hf_reference(model_dir: str, batch: RolloutBatch, coef: float, temperature: 
     normaliser; the router still sees every position."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.models.tiny import disk_state_dict
+    from megatron_rl.models.hf_io import disk_state_dict
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.train()
