@@ -255,7 +255,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     _validate_backend(cfg)
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
-    if cfg.policy.packing == "auto":  # fsdp2: padded rows only (`_validate_backend`)
+    if cfg.policy.packing == "auto":  # fsdp2: none everywhere, its varlen row carries a [t, t] mask (fsdp2_worker)
         cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().default_packing
     if cfg.generation.gpu_memory_utilization is None:
         cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
@@ -276,7 +276,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
 
 def _validate_backend(cfg: Config) -> None:
     """What the FSDP2 backend (policy/fsdp2_worker.py) does not do yet refuses to start, naming the key: it shards
-    over data-parallel ranks only, feeds one padded row per sequence, and trains every weight."""
+    over data-parallel ranks only and trains every weight."""
     p = cfg.policy
     if p.backend != "fsdp2":
         return
@@ -285,9 +285,6 @@ def _validate_backend(cfg: Config) -> None:
         if value != only:
             raise ConfigError(f"{key}={value}: policy.backend=fsdp2 runs data parallelism only (set {key}={only}, "
                               "or policy.backend=megatron)")
-    if p.packing == "varlen":
-        raise ConfigError("policy.packing=varlen: policy.backend=fsdp2 feeds padded rows (set policy.packing=none "
-                          "or auto, or policy.backend=megatron)")
     if p.moe_aux_loss_coef > 0:
         raise ConfigError("policy.moe_aux_loss_coef: the router's load-balancing loss is wired on the megatron backend "
                           "only (set it to 0, or policy.backend=megatron)")

@@ -20,7 +20,8 @@ unshared row (tokens ids[:-1], positions 0..L-2, causal), so one builder serves 
 With varlen packing (`varlen_row`) the micro-batch is ONE packed row [1, t] in megatron's THD format: its units back
 to back, each split into the attention segments the plan gave it (`Unit.segments`), padded to megatron's multiple,
 described by `packed` (PackedSeqParams / CascadeSeqParams with cu_seqlens) instead of a mask; positions restart per
-sequence. The same `spans`, `flat` and `split_rows` read it.
+sequence. The same `spans`, `flat` and `split_rows` read it. For attention that takes a mask rather than cu_seqlens
+(the FSDP2 backend's HF models) `masked_row` packs the same units into one unpadded row with an explicit mask.
 
 An empty planned micro-batch (no units: the padding that gives every DP rank the same micro-batch count,
 `policy/microbatch.py`) becomes a `filler_row`: a few pad tokens that predict nothing, run through the model only for
@@ -67,13 +68,17 @@ def row_layout(seqs: list[list[int]], prompt_len: int) -> RowLayout:
     return RowLayout(tokens, positions, targets, segments, spans)
 
 
-def attention_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[b, s] segment ids -> [b, 1, s, s] bool, True = masked (megatron's and TE's convention)."""
+def attention_mask(segments: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
+    """[b, s] segment ids -> [b, 1, s, s] bool, True = masked (megatron's and TE's convention). With `units` ([b, s]
+    unit ids: several units back to back in one row, `masked_row`) a key must also be in the query's unit."""
     s = segments.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
     same = segments[:, :, None] == segments[:, None, :]
     shared_key = (segments == SHARED)[:, None, :]
-    return ~(causal & (same | shared_key))[:, None]
+    seen = causal & (same | shared_key)
+    if units is not None:
+        seen &= units[:, :, None] == units[:, None, :]
+    return ~seen[:, None]
 
 
 @dataclass
@@ -87,6 +92,7 @@ class MicroBatchRows:
     spans: list[tuple[int, int]]  # per sequence: (row, first column) of its response-token predictions
     attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool, True = masked; None = plain causal
     packed: object = None  # PackedSeqParams of a varlen row (b = 1, THD); None for dense rows
+    one_row: bool = False  # many sequences in one row (a varlen or `masked_row`): the window selects its columns
 
     @property
     def filler(self) -> bool:
@@ -123,12 +129,16 @@ def check_batch(batch: RolloutBatch, vocab_size: int, max_positions: int) -> Non
                 raise ValueError(f"{name}[{i}] has {t.numel()} entries for a response of {n} tokens")
 
 
-def rows(batch: RolloutBatch, units: list[Unit], *, varlen: bool, multiple: int = 1) -> MicroBatchRows:
-    """The rows of one planned micro-batch (`packing.plan_microbatches`): one packed THD row, or one padded row per
-    unit. No units: a `filler_row`."""
+def rows(batch: RolloutBatch, units: list[Unit], *, varlen: bool, multiple: int = 1,
+         thd: bool = True) -> MicroBatchRows:
+    """The rows of one planned micro-batch (`packing.plan_microbatches`): one packed row (THD for megatron, or with
+    `thd=False` a `masked_row` for attention that takes a mask, not cu_seqlens), or one padded row per unit. No
+    units: a `filler_row`."""
     if not units:
-        return filler_row(varlen=varlen, multiple=multiple)
-    return varlen_row(batch, units, multiple) if varlen else dense_rows(batch, units)
+        return filler_row(varlen=varlen and thd, multiple=multiple)
+    if not varlen:
+        return dense_rows(batch, units)
+    return varlen_row(batch, units, multiple) if thd else masked_row(batch, units)
 
 
 def filler_row(*, varlen: bool, multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
@@ -174,6 +184,32 @@ def dense_rows(batch: RolloutBatch, rows: list[Unit], pad_id: int = 0) -> MicroB
             spans.append((r, c))
     attn = attention_mask(segments) if any(len(u.members) > 1 for u in rows) else None
     return MicroBatchRows(indices, tokens, pos, targets, mask, resp_lens, spans, attn)
+
+
+def masked_row(batch: RolloutBatch, units: list[Unit]) -> MicroBatchRows:
+    """All `units` back to back in one row [1, t], each laid out by `row_layout` (positions restarting per unit),
+    described by an explicit mask (`attention_mask` with unit ids) instead of cu_seqlens: the varlen row of an
+    attention that takes a [t, t] mask (the FSDP2 backend's HF models). No padding; the mask costs t^2."""
+    tokens, pos, targets, segments, unit_of = [], [], [], [], []
+    indices, resp_lens, spans = [], [], []
+    for u, unit in enumerate(units):
+        lay = row_layout([batch.input_ids[i] for i in unit.members], unit.prompt_len)
+        at = len(tokens)
+        tokens += lay.tokens
+        pos += lay.positions
+        targets += lay.targets
+        segments += lay.segments
+        unit_of += [u] * len(lay.tokens)
+        for i, (c, k) in zip(unit.members, lay.spans):
+            indices.append(i)
+            resp_lens.append(k)
+            spans.append((0, at + c))
+    as_row = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+    resp = torch.zeros((1, len(tokens)), dtype=torch.bool)
+    for (_, c), k in zip(spans, resp_lens):
+        resp[0, c:c + k] = True
+    return MicroBatchRows(indices, as_row(tokens), as_row(pos), as_row(targets), resp, resp_lens, spans,
+                          attention_mask(as_row(segments), as_row(unit_of)), one_row=True)
 
 
 def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
@@ -228,7 +264,7 @@ def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id
         params = PackedSeqParams(**common)
     as_row = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
     return MicroBatchRows(indices, as_row(tokens), as_row(pos), as_row(targets), resp, resp_lens, spans,
-                           packed=params)
+                          packed=params, one_row=True)
 
 
 def packed_on(params, device):
@@ -262,11 +298,11 @@ def response_window(mb: MicroBatchRows) -> tuple[int | torch.Tensor, MicroBatchR
     row, the restricted mb has `targets`, `resp_mask` and `spans` for columns start.. (the model's inputs stay whole).
     `flat` and `split_rows` give the same values in the same order on either.
 
-    A packed row (one row of many sequences) instead selects exactly its response-predicting columns: the first
-    value is then a LongTensor of those columns and the view's row holds only them."""
+    A packed row (one row of many sequences, `one_row`) instead selects exactly its response-predicting columns: the
+    first value is then a LongTensor of those columns and the view's row holds only them."""
     if mb.filler:  # nothing to narrow to: the whole (few-token) row
         return 0, mb
-    if mb.packed is not None:
+    if mb.one_row:
         cols = mb.resp_mask[0].nonzero()[:, 0]
         offsets = itertools.accumulate([0] + mb.resp_lens[:-1])
         return cols, dataclasses.replace(mb, targets=mb.targets[:, cols], resp_mask=mb.resp_mask[:, cols],

@@ -17,8 +17,11 @@ Differences that are the backend's:
   ranks with filler rows (`microbatch.plan(equal_counts=True)`, zero loss), as megatron does for experts.
 - Activation recompute (`policy.activation_recompute`): transformers' per-layer gradient checkpointing, non-
   reentrant, inside each layer's FSDP unit, so the recompute runs while that layer's weights are gathered.
-- No shared-prefix rows (the HF attention gets no block mask here) and no varlen packing: one padded row per
-  sequence (the config loader refuses packing=varlen, TP, PP, EP, LoRA with this backend; docs/fsdp2.md).
+- Shared-prefix and varlen rows reach the HF attention as an explicit mask (`models/hf_masks.py`), since its sdpa and
+  eager attention take no cu_seqlens: a group row carries its block mask (`policy.shared_prefix`, as megatron's
+  `packing: none` rows do), and `packing: varlen` packs a micro-batch into one unpadded row (`batching.masked_row`)
+  whose mask also separates the units. Positions restart per sequence (HF's rotary reads position_ids). The mask
+  costs [t, t] per row, so `packing: auto` stays `none` here (the config loader; docs/fsdp2.md).
 - Optimizer: torch AdamW over the DTensor shards with megatron's parameter groups (no weight decay on biases and
   1-D weights), the global gradient norm over DTensors, clipping as megatron clips.
 - Checkpoints: torch.distributed.checkpoint in megatron-rl's checkpoint directory format (`fsdp2_checkpoint.py`).
@@ -36,6 +39,7 @@ from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.models.checkpoint import FSDP2_PREFIX
+from megatron_rl.models.hf_masks import hf_attention_mask, layer_mask_kinds
 from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, packing
 from megatron_rl.policy.forward_pass import join_process_group
@@ -57,10 +61,11 @@ class _Scorer(nn.Module):
         self.lm = lm
         self.fused = fused
 
-    def forward(self, tokens, positions, window, targets, temperature: float):
+    def forward(self, tokens, positions, window, targets, temperature: float, attention_mask=None):
         from kernels import linear_token_logprobs, token_logprobs_and_entropy
 
-        out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, use_cache=False)
+        out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
+                                    use_cache=False)
         hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
         head = self.lm.get_output_embeddings()
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma-2: cap * tanh(logits / cap)
@@ -116,6 +121,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.hf_config = lm.config
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))
+        self.varlen = cfg.packing == "varlen"  # auto is none on this backend (config loader)
+        self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen else None
         lm.to(self.device)
         if cfg.activation_recompute:  # each decoder layer's activations recomputed in its backward (HF's own hook,
             # which keeps the parameter names: a wrapper module would rename every tensor the export and DCP write)
@@ -163,17 +170,20 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         batching.check_batch(batch, self.vocab_size, self.max_positions)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        plan = packing.plan_microbatches(batch, shared=False, varlen=False,
+        plan = packing.plan_microbatches(batch, shared=self.cfg.shared_prefix, varlen=self.varlen,
                                          max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
                                          dp_rank=self.dp_rank, multiple=1, equal_counts=self.dp_size > 1)
-        return [batching.rows(batch, units, varlen=False) for units in plan]
+        return [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
 
     def _score(self, mb: batching.MicroBatchRows, temperature: float):
         """(logprobs, entropy) of the micro-batch's response window, and the mb narrowed to it."""
         start, view = batching.response_window(mb)
         dev = self.device
         window = start if isinstance(start, int) else start.to(dev)
-        lp, ent = self.model(mb.tokens.to(dev), mb.position_ids.to(dev), window, view.targets.to(dev), temperature)
+        positions = mb.position_ids.to(dev)
+        mask = None if mb.attention_mask is None else \
+            hf_attention_mask(mb.attention_mask.to(dev), positions, self.mask_kinds, self.dtype)
+        lp, ent = self.model(mb.tokens.to(dev), positions, window, view.targets.to(dev), temperature, mask)
         return lp, ent, view
 
     @torch.no_grad()

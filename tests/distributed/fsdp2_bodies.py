@@ -2,7 +2,8 @@
 
 One 2-process launch runs every check that needs the workers, in this order: the megatron step, the FSDP2 step (the
 same batch and config, only `policy.backend` differs, and a micro-batch budget that splits the FSDP2 ranks' shares
-unevenly, so filler micro-batches run), then the FSDP2 worker's lifecycle and an exact resume.
+unevenly, so filler micro-batches run), then the FSDP2 worker's lifecycle and an exact resume, a bf16 step, and a
+grouped batch in each packed layout (`packed_layouts`).
 """
 from __future__ import annotations
 
@@ -122,6 +123,7 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
     with open(f"{ckpt_dir}/metadata.json") as f:
         out["ckpt_meta"] = json.load(f)
     out["bf16"] = bf16_step(rank, world_size, model_dir)
+    out["packed"] = packed_layouts(rank, world_size, model_dir)
     return out
 
 
@@ -161,3 +163,37 @@ def bf16_step(rank: int, world_size: int, model_dir: str) -> dict:
     return {"logprobs": lps, "metrics": res["metrics"], "before": before, "after": w.hf_state_dict(),
             "ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm,
             "ref_state": ref_state if rank == 0 else None}
+
+
+PACKED_LAYOUTS = {  # name: (policy.shared_prefix, policy.packing, policy.max_tokens_per_microbatch)
+    "group_rows": (True, "none", 4096),  # a group per row, its block mask
+    "varlen": (False, "varlen", 4096),  # one masked row per micro-batch, every sequence on its own
+    "varlen_shared": (True, "varlen", 4096),  # one masked row of group units
+    "varlen_shared_split": (True, "varlen", 40),  # several rows a rank, uneven counts: fillers
+}
+
+
+def packed_layouts(rank: int, world_size: int, model_dir: str) -> dict:
+    """shared_prefix_bodies' grouped batch on the megatron backend unshared (the reference layout) and on the FSDP2
+    backend in each of PACKED_LAYOUTS: the same logprobs, step and update wherever the rows put the sequences."""
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+    from tests.distributed.shared_prefix_bodies import make_group_batch
+
+    vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
+    batch = make_group_batch(vocab)
+    c = dataclasses.replace(cfg(model_dir, "megatron"), shared_prefix=False, packing="none")
+    m = MegatronPolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
+    m.setup()
+    out = {"megatron": _step(m, batch), "n": len(batch)}
+    for name, (shared, packing, budget) in PACKED_LAYOUTS.items():
+        c = dataclasses.replace(cfg(model_dir, "fsdp2", budget=budget), shared_prefix=shared, packing=packing)
+        w = FSDP2PolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
+        w.setup()
+        mbs = w._micro_batches(batch)
+        shape = {"mbs": len(mbs), "fillers": sum(mb.filler for mb in mbs), "one_row": sum(mb.one_row for mb in mbs),
+                 "rows": sum(mb.tokens.shape[0] for mb in mbs if not mb.filler),
+                 "tokens": sum(mb.tokens.numel() for mb in mbs if not mb.filler),
+                 "masked": sum(mb.attention_mask is not None for mb in mbs)}
+        out[name] = {"shape": _gather_obj(shape), **_step(w, batch)}
+    return out

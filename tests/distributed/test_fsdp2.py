@@ -129,3 +129,41 @@ def test_bf16_step_near_the_fp32_reference(results):
         got_all.append(d_got)
         ref_all.append(d_ref)
     assert torch.nn.functional.cosine_similarity(torch.cat(got_all), torch.cat(ref_all), dim=0) > 0.995
+
+
+@pytest.mark.parametrize("layout", list(fsdp2_bodies.PACKED_LAYOUTS))
+def test_packed_layouts_give_the_unshared_megatron_step(results, layout):
+    """Group rows (block mask), varlen rows (one masked row a micro-batch) and both together, on the FSDP2 backend,
+    against the megatron backend's plain one-row-per-sequence step on the same grouped batch."""
+    r = results[0]["packed"]
+    meg, got = r["megatron"], r[layout]
+    for a, b in zip(got["logprobs"], meg["logprobs"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(got["entropy"], meg["entropy"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(got["train_logprobs"], meg["logprobs"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert got["metrics"][key] == pytest.approx(meg["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert got["metrics"]["tokens"] == pytest.approx(1.0)
+    for k, v in got["after"].items():
+        torch.testing.assert_close(v, meg["after"][k], atol=1e-5, rtol=1e-5, msg=lambda s: f"{k}: {s}")
+
+
+def test_packed_layouts_are_what_they_claim(results):
+    """The layouts above are not the plain one: group rows hold several sequences under a mask, varlen micro-batches
+    are one unpadded row, sharing the prompts feeds fewer tokens, a small budget splits the rows (uneven counts)."""
+    from tests.distributed.shared_prefix_bodies import make_group_batch
+
+    r = results[0]["packed"]
+    total = lambda name, key: sum(s[key] for s in r[name]["shape"])  # noqa: E731 (over both DP ranks)
+    ids = make_group_batch(1000).input_ids  # the lengths only (the vocabulary does not change them)
+    assert total("group_rows", "rows") < r["n"] and total("group_rows", "masked") >= 1
+    assert total("group_rows", "one_row") == 0
+    for name in ("varlen", "varlen_shared", "varlen_shared_split"):
+        real = total(name, "mbs") - total(name, "fillers")
+        assert total(name, "one_row") == total(name, "masked") == total(name, "rows") == real, name
+    assert total("varlen", "tokens") == sum(len(x) - 1 for x in ids)  # no padding at all
+    assert total("varlen_shared", "tokens") < total("varlen", "tokens")  # each group's prompt once
+    assert total("varlen_shared_split", "tokens") == total("varlen_shared", "tokens")
+    assert total("varlen_shared_split", "mbs") > total("varlen_shared", "mbs")

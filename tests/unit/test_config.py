@@ -202,6 +202,8 @@ def test_policy_backend_defaults_to_megatron_and_takes_fsdp2(tmp_path):
     assert load_config(p, [], check_model=False).policy.backend == "megatron"
     cfg = load_config(p, ["policy.backend=fsdp2"], check_model=False)
     assert cfg.policy.backend == "fsdp2" and cfg.policy.packing == "none"  # auto: padded rows on either platform
+    assert load_config(p, ["policy.backend=fsdp2", "policy.packing=varlen"],
+                       check_model=False).policy.packing == "varlen"  # asked for: one masked row per micro-batch
     with pytest.raises(ConfigError, match=r"policy\.backend: 'deepspeed' is not one of"):
         load_config(p, ["policy.backend=deepspeed"], check_model=False)
 
@@ -209,7 +211,6 @@ def test_policy_backend_defaults_to_megatron_and_takes_fsdp2(tmp_path):
 @pytest.mark.parametrize("override,match", [
     ("policy.tp=2", r"policy\.tp=2: policy\.backend=fsdp2 runs data parallelism only"),
     ("policy.pp=2", r"policy\.pp=2: policy\.backend=fsdp2 runs data parallelism only"),
-    ("policy.packing=varlen", r"policy\.packing=varlen: policy\.backend=fsdp2 feeds padded rows"),
     ("policy.lora.rank=8", r"policy\.lora: policy\.backend=fsdp2 trains every weight"),
     ("policy.moe_aux_loss_coef=0.01", r"policy\.moe_aux_loss_coef: .*megatron backend only"),
 ])
