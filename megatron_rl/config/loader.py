@@ -276,15 +276,15 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
 
 def _validate_backend(cfg: Config) -> None:
     """What the FSDP2 backend (policy/fsdp2_worker.py) does not do yet refuses to start, naming the key: it shards
-    over data-parallel ranks only and trains every weight."""
+    over data- and tensor-parallel ranks (no pipeline or expert parallelism) and trains every weight."""
     p = cfg.policy
     if p.backend != "fsdp2":
         return
-    unsupported = {"policy.tp": (p.tp, 1), "policy.pp": (p.pp, 1), "policy.ep": (p.ep, 1)}
+    unsupported = {"policy.pp": (p.pp, 1), "policy.ep": (p.ep, 1)}
     for key, (value, only) in unsupported.items():
         if value != only:
-            raise ConfigError(f"{key}={value}: policy.backend=fsdp2 runs data parallelism only (set {key}={only}, "
-                              "or policy.backend=megatron)")
+            raise ConfigError(f"{key}={value}: policy.backend=fsdp2 runs data and tensor parallelism only (set "
+                              f"{key}={only}, or policy.backend=megatron)")
     if p.moe_aux_loss_coef > 0:
         raise ConfigError("policy.moe_aux_loss_coef: the router's load-balancing loss is wired on the megatron backend "
                           "only (set it to 0, or policy.backend=megatron)")

@@ -35,7 +35,7 @@ def _state(model, optimizer):
 
 
 def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state: dict, hf_dir, dtype: torch.dtype,
-                          world: int) -> Path:
+                          dp: int, tp: int = 1) -> Path:
     """Collective over every rank: write `model`'s and `optimizer`'s shards and rank 0's extras atomically."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -61,7 +61,7 @@ def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state:
             meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "backend": BACKEND, "step": int(step),
                     "created": time.time(), "hf_config": config, "tokenizer_path": str(hf_dir), "model_spec": None,
                     "params_dtype": str(dtype).replace("torch.", ""),
-                    "layout": {"tp": 1, "pp": 1, "ep": 1, "dp": world, "world_size": world},
+                    "layout": {"tp": tp, "pp": 1, "ep": 1, "dp": dp, "world_size": dp * tp},
                     "extra_sharded_keys": ["optim"] if optimizer is not None else [], "adapters": None,
                     "files": files}
             _fsync_write(tmp / METADATA, json.dumps(meta, indent=2) + "\n")

@@ -43,6 +43,7 @@ from megatron_rl.models.hf_masks import hf_attention_mask, layer_mask_kinds
 from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, packing
 from megatron_rl.policy.forward_pass import join_process_group
+from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, parallelize, vocab_slice
 from megatron_rl.policy.grad_ops import build_scheduler
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
@@ -56,10 +57,11 @@ class _Scorer(nn.Module):
     """The HF causal LM, scoring tokens: decoder -> final hidden states of the response window -> (logprobs,
     entropy) by the project's kernels. The FSDP root, so that the lm_head is unsharded while the kernel runs."""
 
-    def __init__(self, lm: nn.Module, fused: bool):
+    def __init__(self, lm: nn.Module, fused: bool, tp_group=None):
         super().__init__()
         self.lm = lm
         self.fused = fused
+        self.tp_group = tp_group  # policy.tp > 1: the lm_head holds a vocab slice (policy/fsdp2_tp.py)
 
     def forward(self, tokens, positions, window, targets, temperature: float, attention_mask=None):
         from kernels import linear_token_logprobs, token_logprobs_and_entropy
@@ -68,13 +70,19 @@ class _Scorer(nn.Module):
                                     use_cache=False)
         hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
         head = self.lm.get_output_embeddings()
+        weight, start, tp = head.weight, 0, dict(tp_group=self.tp_group)
+        if self.tp_group is not None:
+            weight, start = vocab_slice(weight)
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma-2: cap * tanh(logits / cap)
         if self.fused and head.bias is None and not cap:  # no [tokens, vocab] logits in forward or backward
-            return linear_token_logprobs(hidden, head.weight, targets, temperature=temperature, return_entropy=True)
-        logits = head(hidden)
+            return linear_token_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=True,
+                                         vocab_start_index=start, **tp)
+        if self.tp_group is not None:  # the kernel sums the hidden gradient over TP only when it does the matmul
+            hidden = copy_to_tp(hidden, self.tp_group)
+        logits = hidden @ weight.T if head.bias is None else nn.functional.linear(hidden, weight, head.bias)
         if cap:  # the fused kernel's tiles are plain matmuls: a capped model forms its logits, as HF's forward does
             logits = torch.tanh(logits / cap) * cap
-        return token_logprobs_and_entropy(logits, targets, temperature=temperature)
+        return token_logprobs_and_entropy(logits, targets, temperature=temperature, vocab_start_index=start, **tp)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
@@ -105,9 +113,14 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
 
         cfg, plat = self.cfg, get_platform()
         self.device = join_process_group(self._local_rank(self.rank))
-        self.mesh = init_device_mesh(plat.device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+        world, self.tp_size = dist.get_world_size(), cfg.tp
+        if world % self.tp_size:
+            raise ValueError(f"policy.tp={self.tp_size} does not divide the {world} policy ranks")
+        self.mesh = init_device_mesh(plat.device_type, (world // self.tp_size, self.tp_size),
+                                     mesh_dim_names=("dp", "tp"))
         self.dp_group = self.mesh.get_group("dp")
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.tp_rank = self.mesh.get_local_rank("tp")
         self.model_dir = resolve_model_dir(cfg.model)
         self.dtype = plat.resolve_dtype(cfg.precision)
         torch.manual_seed(cfg.seed)
@@ -129,10 +142,15 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if self.dtype != torch.float32 else MixedPrecisionPolicy()
-        kw = dict(mesh=self.mesh, mp_policy=mp, reshard_after_forward=True)
+        tp_group = None
+        if self.tp_size > 1:  # DTensor TP on the projections and the vocabulary first, then FSDP over dp
+            check_tp(lm, decoder_layers(lm), self.tp_size)
+            parallelize(lm, decoder_layers(lm), self.mesh["tp"])
+            tp_group = self.mesh.get_group("tp")
+        kw = dict(mesh=self.mesh["dp"], mp_policy=mp, reshard_after_forward=True)
         for layer in decoder_layers(lm):
             fully_shard(layer, **kw)
-        self.model = fully_shard(_Scorer(lm, cfg.fused_lm_head), **kw)
+        self.model = fully_shard(_Scorer(lm, cfg.fused_lm_head, tp_group), **kw)
         for m in self.model.modules():  # the loss is globally normalised: sum the shards' gradients (module doc)
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
@@ -141,7 +159,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them
         self.ref_weights = self._weights_copy()
         n = sum(p.numel() for p in self.model.parameters())
-        return {"rank": self.rank, "tp_rank": 0, "dp_rank": self.dp_rank, "pp_rank": 0, "dp_size": self.dp_size,
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "pp_rank": 0, "dp_size": self.dp_size,
                 "num_params": n, "trainable_params": n, "backend": "fsdp2"}
 
     def _build_optimizer(self) -> None:
@@ -150,8 +168,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         for name, p in self.model.named_parameters():  # megatron's default grouping: no decay on biases, 1-D weights
             (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
         groups = [{"params": ps, "wd_mult": m, "lr_mult": 1.0} for ps, m in ((decay, 1.0), (no_decay, 0.0)) if ps]
+        # foreach groups tensors into one kernel, which DTensors on different meshes (dp, dp x tp) cannot share
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, foreach=self.tp_size == 1)
         self.scheduler = build_scheduler(self.optimizer, o, s, self.max_steps)
 
     def _local(self, p: torch.Tensor) -> torch.Tensor:
@@ -199,7 +218,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                     out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
         finally:
             self.model.train()
-        return out
+        return out if self.tp_rank == 0 else {}  # a TP group's ranks hold the same values: one sends them
 
     def logprobs_and_entropy(self, batch: RolloutBatch, temperature: float = 1.0):
         return self.logprobs(batch, temperature, with_entropy=True)
@@ -248,19 +267,19 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.consumed_samples += len(batch)
         metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]),
                        policy_peak_memory_gb=get_platform().peak_memory_bytes() / 2**30)
-        return {"metrics": metrics, "logprobs": own_lp, "skipped": skipped}
+        return {"metrics": metrics, "logprobs": own_lp if self.tp_rank == 0 else {}, "skipped": skipped}
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Clip and step unless the global gradient norm is non-finite (all ranks agree: the norm is global)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=False)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = grad_norm(grads, self.tp_size)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return True, norm
         clip = self.cfg.optimizer.clip_grad
-        if clip > 0:  # megatron's rule: scale by clip / (norm + 1e-6) when that is below 1
-            torch.nn.utils.clip_grads_with_norm_(params, clip, torch.tensor(norm), foreach=False)
+        if clip > 0 and clip / (norm + 1e-6) < 1.0:  # megatron's rule: scale by clip / (norm + 1e-6) when below 1
+            for g in grads:
+                g.mul_(clip / (norm + 1e-6))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # nothing of the step stays allocated until the next one
         self.scheduler.step(increment=1)
@@ -269,7 +288,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
 
     # ------------------------------------------------------------------------------------------------ export
     def _is_exporter(self) -> bool:
-        return self.dp_rank == 0
+        return self.dp_rank == 0 and self.tp_rank == 0
 
     def _pipeline(self) -> tuple[int, int, object]:
         return 0, 1, None
@@ -282,6 +301,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         for name, p in self.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             t = full.detach().to(dtype)
+            if t.data_ptr() == self._local(p).data_ptr():  # a one-rank gather is the shard itself: a snapshot, so a
+                t = t.clone()  # consumer keeping it (hf_state_dict, a bucket in flight) never sees a later step
             bucket.append((name[len(ROOT):] if name.startswith(ROOT) else name, t))
             size += t.numel() * t.element_size()
             if size >= bucket_bytes:
@@ -301,7 +322,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         try:
             return str(save_fsdp2_checkpoint(path, self.model, self.optimizer, step=self.step,
                                              extra_state=extra_state, hf_dir=self.model_dir,
-                                             dtype=self.dtype, world=self.dp_size))
+                                             dtype=self.dtype, dp=self.dp_size, tp=self.tp_size))
         finally:
             get_platform().trim_host_heap()
 

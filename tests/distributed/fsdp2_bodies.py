@@ -3,7 +3,7 @@
 One 2-process launch runs every check that needs the workers, in this order: the megatron step, the FSDP2 step (the
 same batch and config, only `policy.backend` differs, and a micro-batch budget that splits the FSDP2 ranks' shares
 unevenly, so filler micro-batches run), then the FSDP2 worker's lifecycle and an exact resume, a bf16 step, and a
-grouped batch in each packed layout (`packed_layouts`).
+grouped batch in each packed layout (`packed_layouts`), and TP=2 on both backends (`tp_steps`).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _step(w, batch) -> dict:
             "after": after, "ref_logprobs": ref}
 
 
-def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
+def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str, llama_dir: str):
     from megatron_rl.models.hf_io import HFCheckpoint
     from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
@@ -124,6 +124,7 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str):
         out["ckpt_meta"] = json.load(f)
     out["bf16"] = bf16_step(rank, world_size, model_dir)
     out["packed"] = packed_layouts(rank, world_size, model_dir)
+    out["tp"] = tp_steps(rank, world_size, {"qwen2": model_dir, "llama": llama_dir}, f"{ckpt_dir}-tp")
     return out
 
 
@@ -197,3 +198,53 @@ def packed_layouts(rank: int, world_size: int, model_dir: str) -> dict:
                  "masked": sum(mb.attention_mask is not None for mb in mbs)}
         out[name] = {"shape": _gather_obj(shape), **_step(w, batch)}
     return out
+
+
+TP_CASES = {  # name: (model, policy overrides of the FSDP2 worker); each against the megatron backend at TP=2
+    "qwen2": ("qwen2", {}),  # untied lm_head, q/k/v biases (column-parallel biases)
+    "qwen2_unfused": ("qwen2", {"fused_lm_head": False}),  # vocab-split logits; the hidden gradient summed over TP
+    "llama_tied_varlen": ("llama", {"packing": "varlen"}),  # tied: the vocab-split embedding is the lm_head
+}
+
+
+def tp_steps(rank: int, world_size: int, model_dirs: dict, ckpt_dir: str) -> dict:
+    """The same GRPO step at TP=2 (DP=1) on the megatron backend and on the FSDP2 backend (DTensor TP); then, on the
+    first case, save -> step == load -> step."""
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    out, megatron = {}, {}
+    for name, (model, over) in TP_CASES.items():
+        model_dir = model_dirs[model]
+        batch = make_batch(json.load(open(f"{model_dir}/config.json"))["vocab_size"])
+        if model not in megatron:
+            m = MegatronPolicyWorker(rank, world_size, policy_cfg=dataclasses.replace(cfg(model_dir, "megatron"),
+                                                                                      tp=2), max_steps=10)
+            m.setup()
+            megatron[model] = _step(m, batch)
+        c = dataclasses.replace(cfg(model_dir, "fsdp2"), tp=2, **over)
+        w = FSDP2PolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
+        info = w.setup()
+        local = {n: tuple(p.to_local().shape) for n, p in w.model.named_parameters()}
+        out[name] = {"megatron": megatron[model], "fsdp2": _step(w, batch), "info": _gather_obj(info),
+                     "local_shapes": local}
+        if "resume" not in out:
+            out["resume"] = _resume(rank, world_size, w, c, batch, ckpt_dir)
+    return out
+
+
+def _resume(rank, world_size, w, c, batch, ckpt_dir) -> dict:
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+
+    w.save(ckpt_dir)
+    m_a = w.train(batch, grpo_loss, temperature=TEMP)["metrics"]
+    a = w.hf_state_dict()
+    w2 = FSDP2PolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
+    w2.setup()
+    w2.load(ckpt_dir)
+    m_b = w2.train(batch, grpo_loss, temperature=TEMP)["metrics"]
+    b = w2.hf_state_dict()
+    with open(f"{ckpt_dir}/metadata.json") as f:
+        layout = json.load(f)["layout"]
+    return {"loss": (m_a["loss"], m_b["loss"]), "grad_norm": (m_a["grad_norm"], m_b["grad_norm"]), "layout": layout,
+            "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a))}

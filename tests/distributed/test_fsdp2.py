@@ -15,7 +15,9 @@ from tests.distributed import fsdp2_bodies
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp2")
     model_dir = str(write_tiny_hf_model(root / "qwen2", "qwen2", seed=3))
-    return run_distributed(fsdp2_bodies.backends_agree, 2, args=(model_dir, str(root / "ckpt")), timeout=900)
+    llama_dir = str(write_tiny_hf_model(root / "llama", "llama", seed=3))
+    return run_distributed(fsdp2_bodies.backends_agree, 2, args=(model_dir, str(root / "ckpt"), llama_dir),
+                           timeout=900)
 
 
 def test_logprobs_and_entropy_equal_megatron_and_hf(results):
@@ -167,3 +169,57 @@ def test_packed_layouts_are_what_they_claim(results):
     assert total("varlen_shared", "tokens") < total("varlen", "tokens")  # each group's prompt once
     assert total("varlen_shared_split", "tokens") == total("varlen_shared", "tokens")
     assert total("varlen_shared_split", "mbs") > total("varlen_shared", "mbs")
+
+
+@pytest.mark.parametrize("case", list(fsdp2_bodies.TP_CASES))
+def test_same_grpo_step_at_tp2_on_both_backends(results, case):
+    """DTensor TP on the HF projections and a vocab-split lm_head (fsdp2_tp.py) against megatron's TP=2: logprobs,
+    entropies, loss, gradient norm and every updated tensor to 1e-5; each rank holds half of every split weight."""
+    r = results[0]["tp"][case]
+    meg, fs = r["megatron"], r["fsdp2"]
+    for got, want in zip(fs["logprobs"] + fs["entropy"] + fs["train_logprobs"],
+                         meg["logprobs"] + meg["entropy"] + meg["logprobs"]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert fs["metrics"][key] == pytest.approx(meg["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert fs["metrics"]["grad_norm"] > 1.0  # clipped: the clipping rule over mixed meshes is compared too
+    assert set(fs["after"]) == set(meg["after"])
+    for k, v in fs["after"].items():
+        torch.testing.assert_close(v, meg["after"][k], atol=1e-5, rtol=1e-5, msg=lambda s: f"{k}: {s}")
+        assert not torch.equal(v, fs["before"][k]), k
+    assert [i["tp_rank"] for i in r["info"]] == [0, 1] and {i["dp_size"] for i in r["info"]} == {1}
+    full = {k: v.shape for k, v in fs["after"].items()}
+    for name, local in r["local_shapes"].items():  # Megatron's split: which dimension each rank holds half of
+        hf = name[len("lm."):]
+        if any(p in hf for p in ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.", "embed_tokens.",
+                                 "lm_head.")):
+            dim = 0  # column-parallel outputs (and their biases), the vocabulary
+        elif hf.endswith(("o_proj.weight", "down_proj.weight")):
+            dim = 1  # row-parallel inputs
+        else:
+            dim = None  # norms, row-parallel biases: replicated
+        want = [n // 2 if d == dim else n for d, n in enumerate(full[hf])]
+        assert list(local) == want, (name, local, full[hf])
+
+
+def test_tp2_save_load_next_step_bit_identical(results):
+    r = results[0]["tp"]["resume"]
+    assert r["same"] is True and r["loss"][0] == r["loss"][1] and r["grad_norm"][0] == r["grad_norm"][1]
+    assert r["layout"]["tp"] == 2 and r["layout"]["dp"] == 1
+
+
+@pytest.mark.slow
+def test_dp2_x_tp2_on_four_ranks(tmp_path):
+    """FSDP over dp composed with DTensor TP (a 2-D mesh; the gradient norm over mixed meshes) against megatron's
+    DP=2 x TP=2, every TP case, plus an exact resume (4 processes, ~25 s on 2 cores)."""
+    dirs = {k: str(write_tiny_hf_model(tmp_path / k, k, seed=3)) for k in ("qwen2", "llama")}
+    r = run_distributed(fsdp2_bodies.tp_steps, 4, args=(dirs, str(tmp_path / "ckpt")), timeout=900)[0]
+    for case in fsdp2_bodies.TP_CASES:
+        meg, fs = r[case]["megatron"], r[case]["fsdp2"]
+        assert [(i["dp_rank"], i["tp_rank"]) for i in r[case]["info"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for got, want in zip(fs["logprobs"] + fs["train_logprobs"], meg["logprobs"] * 2):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert fs["metrics"]["grad_norm"] == pytest.approx(meg["metrics"]["grad_norm"], rel=1e-5), case
+        for k, v in fs["after"].items():
+            torch.testing.assert_close(v, meg["after"][k], atol=1e-5, rtol=1e-5, msg=lambda s: f"{case} {k}: {s}")
+    assert r["resume"]["same"] is True and r["resume"]["layout"]["world_size"] == 4

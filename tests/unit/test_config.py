@@ -209,8 +209,8 @@ def test_policy_backend_defaults_to_megatron_and_takes_fsdp2(tmp_path):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("policy.tp=2", r"policy\.tp=2: policy\.backend=fsdp2 runs data parallelism only"),
-    ("policy.pp=2", r"policy\.pp=2: policy\.backend=fsdp2 runs data parallelism only"),
+    ("policy.pp=2", r"policy\.pp=2: policy\.backend=fsdp2 runs data and tensor parallelism only"),
+    ("policy.ep=2", r"policy\.ep=2: policy\.backend=fsdp2 runs data and tensor parallelism only"),
     ("policy.lora.rank=8", r"policy\.lora: policy\.backend=fsdp2 trains every weight"),
     ("policy.moe_aux_loss_coef=0.01", r"policy\.moe_aux_loss_coef: .*megatron backend only"),
 ])
