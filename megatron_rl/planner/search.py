@@ -363,10 +363,11 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
 def _report_fsdp2(spec, gpu, wl, world: int, best: Plan | None, k: int) -> Fsdp2Plan:
     """The FSDP2 plan on the trainer's `world` GPUs; with `best`, its step with best's generation, refit and switch
     (the host moves are priced for Megatron's state) and the comparison of the two training sides."""
-    f = fsdp2_plan(spec, world, gpu, wl)
+    f = fsdp2_cost.best_fsdp2_plan(spec, world, gpu, wl)
     parts = " + ".join(f"{name} {v:.1f}" for name, v in f.memory_gib.items())
     verdict = "fits" if f.fits else "does not fit"
-    print(f"FSDP2 (policy.backend=fsdp2, DP {world}, fp32 master weights, bf16 compute), memory per GPU (GiB): "
+    print(f"FSDP2 (policy.backend=fsdp2, DP {world // f.tp} x TP {f.tp} (policy.tp={f.tp}), fp32 master weights, "
+          f"bf16 compute), memory per GPU (GiB): "
           f"{parts} = {f.peak_gib:.1f} of {f.usable_gib:.1f} usable: {verdict}; the KL reference is on the host "
           f"({f.host_reference_gib:.1f} GiB per rank), not the GPU")
     if best is None:

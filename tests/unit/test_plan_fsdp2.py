@@ -70,7 +70,7 @@ def test_cli_prints_both_backends_and_each_alone(capsys):
     argv = ["--model", "llama3.1-8b", "--gpus", "64", "--colocated", "--seq-len", "4096"]
     assert P.main(argv) == 0
     out = capsys.readouterr().out
-    assert "train TP/PP/DP" in out and "FSDP2 (policy.backend=fsdp2, DP 64" in out and "FSDP2 step time" in out
+    assert "train TP/PP/DP" in out and "FSDP2 (policy.backend=fsdp2, DP " in out and "FSDP2 step time" in out
     assert "FSDP2 vs best Megatron" in out and "KL reference is on the host" in out and ": fits;" in out
     assert P.main(argv + ["--backend", "megatron"]) == 0
     out = capsys.readouterr().out
@@ -82,3 +82,26 @@ def test_cli_prints_both_backends_and_each_alone(capsys):
     assert P.main(["--model", "llama3.1-8b", "--gpus", "1", "--colocated", "--seq-len", "4096"]) == 2
     cap = capsys.readouterr()
     assert "refused" in cap.err and "DP 1" in cap.out and "does not fit" in cap.out
+
+
+def test_fsdp2_tp_splits_the_gathered_units_and_activations_and_is_chosen_where_tp1_does_not_fit():
+    """policy.tp with fsdp2 (fsdp2_tp.py): the sharded state is 1/world either way; the gathered units and their
+    gradients are each rank's TP slice; activations are Megatron's at that TP. At 16K tokens 8B does not fit on 8 H100s
+    at TP 1; the planner then takes the fitting TP with the shortest training side (TP 2), at 4K it keeps TP 1."""
+    from megatron_rl.planner.fsdp2_cost import best_fsdp2_plan, tp_sizes
+
+    spec, gpu = model_spec(MODELS["llama3.1-8b"]), GPUS["h100"]
+    wl = P.Workload(seq_len=16384)
+    one, two = fsdp2_memory(spec, 8, wl), fsdp2_memory(spec, 8, wl, tp=2)
+    assert two["sharded"] == one["sharded"]
+    assert two["gathered"] == pytest.approx(one["gathered"] / 2)
+    assert two["unsharded_grads"] == pytest.approx(one["unsharded_grads"] / 2)
+    assert two["activations"] == pytest.approx(P.train_memory(spec, 2, 1, 4, False, wl)[0]["activations"] * 2**30)
+    assert tp_sizes(spec, 8, gpu) == [1, 2, 4, 8]  # 32 heads, 8 KV heads, 128,256 tokens
+    assert not fsdp2_plan(spec, 8, gpu, wl).fits and fsdp2_plan(spec, 8, gpu, wl, tp=2).fits
+    assert best_fsdp2_plan(spec, 8, gpu, wl).tp == 2
+    assert best_fsdp2_plan(spec, 8, gpu, P.Workload(seq_len=4096)).tp == 1
+    # collectives: FSDP gathers each rank's TP slice over dp only
+    from megatron_rl.planner.fsdp2_cost import fsdp2_collective_bytes
+
+    assert fsdp2_collective_bytes(spec, 8, tp=2)[1] == pytest.approx(fsdp2_collective_bytes(spec, 4)[1] / 2)
