@@ -11,6 +11,9 @@ Differences that are the backend's:
   lm_head). That root's forward runs the decoder *and* the kernel, so the lm_head weight is the unsharded tensor
   while the kernel reads it, and its gradient takes FSDP's reduce-scatter like any other. Every module reshards
   after forward, so no stale unsharded copy survives a weight swap (the KL reference) or an offload.
+- Tensor parallelism (`policy.tp` > 1): DTensor's Megatron-style split of the projections and the vocabulary before
+  `fully_shard`, on a dp x tp mesh (`policy/fsdp2_tp.py`); the scorer feeds the lm_head's vocab slice to the TP-aware
+  kernel. One rank per TP group returns logprobs and exports.
 - Gradient reduction: FSDP averages over DP by default; the loss functions already divide by the *global* counts,
   so the shards' gradients must be summed (divide factor 1), as megatron's per-token mode does.
 - Every forward all-gathers over DP, so every rank runs the same number of micro-batches: the plan pads the short

@@ -187,6 +187,8 @@ def test_same_grpo_step_at_tp2_on_both_backends(results, case):
     for k, v in fs["after"].items():
         torch.testing.assert_close(v, meg["after"][k], atol=1e-5, rtol=1e-5, msg=lambda s: f"{k}: {s}")
         assert not torch.equal(v, fs["before"][k]), k
+    for got, want in zip(fs["ref_logprobs"], fs["logprobs"]):  # the KL reference: the initial shards swapped back
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert [i["tp_rank"] for i in r["info"]] == [0, 1] and {i["dp_size"] for i in r["info"]} == {1}
     full = {k: v.shape for k, v in fs["after"].items()}
     for name, local in r["local_shapes"].items():  # Megatron's split: which dimension each rank holds half of
