@@ -59,7 +59,7 @@ class LoraConfig:
 class PolicyConfig:
     model: str = "default"  # HF folder; "default" = the embedded SmolLM2-135M-Instruct prepared by setup_env.sh
     # the training backend behind the PolicyWorker interface: megatron-core (policy/megatron_worker.py), or PyTorch
-    # FSDP2 on the HF model itself (policy/fsdp2_worker.py, docs/fsdp2.md: data parallelism only so far)
+    # FSDP2 on the HF model itself (policy/fsdp2_worker.py, docs/fsdp2.md: data and tensor parallelism)
     backend: Literal["megatron", "fsdp2"] = "megatron"
     tokenizer: Optional[str] = None  # default: the model folder
     tp: int = 1
