@@ -6,7 +6,8 @@ CUDA-IPC refit routed by device between processes, placement under Ray. One JSON
     bash bench/gpu_check.sh                             # on the lent H200: installs the carried wheels, then runs
 
 Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, handover_memory, ipc_refit,
-ray_placement, save_after_handover.
+ray_placement, save_after_handover, fsdp2_train (the second backend on the train section's model; it needs
+transformers and its dependencies among the carried wheels, below).
 A section's failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
 
 Preparing the lent machine (Python 3.12, torch/triton/safetensors/pyyaml/psutil/packaging/numpy preinstalled, no
@@ -16,6 +17,12 @@ network): megatron-core is the only missing package. In the repo root, once:
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
         -d .whl megatron-core==0.16.1
+    python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl transformers==5.19.0
+
+(the second, transformers with its dependencies, for the fsdp2_train section: then delete from .whl the wheels of
+what the machine already has — torch, numpy, pyyaml, packaging, safetensors — to stay under the 64 MiB a call
+carries; without transformers that section alone fails, naming the import)
 
 then carry `.whl` and run `bash bench/gpu_check.sh` (it installs .whl/*.whl into /tmp/site first).
 """
@@ -40,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 # run order: the checkpoint round trip (the slowest, disk-bound) last, so a run near its time budget loses only it
 SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "handover_memory", "ipc_refit", "ray_placement",
-            "save_after_handover")
+            "save_after_handover", "fsdp2_train")
 # Llama-3.2-1B's shape (1.24 B parameters, tied embeddings), random weights; max positions kept at the batch scale
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
@@ -225,6 +232,12 @@ class Check:
         from bench.gpu_check_varlen import varlen_train
 
         return varlen_train(self)
+
+    def fsdp2_train(self) -> dict:
+        """The FSDP2 backend on the train section's model and batch (`gpu_check_fsdp2.py`)."""
+        from bench.gpu_check_fsdp2 import fsdp2_train
+
+        return fsdp2_train(self)
 
     def logprob_kernel(self) -> dict:
         """kernels.token_logprobs on [8192, 151936] bf16 logits: GB/s vs a device-to-device copy; reference check."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "handover_memory", "ipc_refit", "ray_placement",
-            "save_after_handover")
+            "save_after_handover", "fsdp2_train")
 
 
 def _numbers(obj, path=""):
@@ -68,6 +68,11 @@ def test_gpu_check_dry_run(tmp_path):
         for dt, r in vl[row].items():
             assert set(r["rel"]) == {"out", "dq", "dk", "dv"} and not r["over_bound"], (row, dt, r)
             assert max(r["rel"].values()) <= r["bound"] == {"float32": 1e-4, "bfloat16": 2e-2}[dt], (row, dt, r)
+
+    f = sections["fsdp2_train"]  # the second backend on the same model: the megatron worker's numbers, in bf16
+    assert f["max_logprob_diff_vs_megatron"] < 0.1 and f["mean_logprob_diff_vs_megatron"] < 0.02
+    assert 0 <= train["num_params"] - f["num_params"] < 128 * 96  # megatron's vocab padding rows (hidden 96)
+    assert all(math.isfinite(x) for x in f["loss"])
 
     k = sections["logprob_kernel"]
     assert k["impl"] == "triton" and k["interpreted"]  # the Triton interpreter ran the GPU kernel's code on CPU
