@@ -1,5 +1,6 @@
 """Rank bodies for test_sft_dpo.py: one SFT step and one DPO step of the Megatron policy worker at DP=2, TP=2 and
-PP=2 against independent references, and packed (shared-prompt) DPO against unpacked.
+PP=2 against independent references, packed (shared-prompt) DPO against unpacked, and the same SFT and DPO steps on
+the FSDP2 worker at DP=2.
 
 References: SFT is HF transformers' own masked cross-entropy (`labels` with -100 on a padded batch: the mean over the
 batch's trained tokens); DPO is the formula of Rafailov et al. 2023 (conservative label smoothing, plus the RPO
@@ -111,6 +112,7 @@ def sft_dpo_layouts(rank: int, world_size: int, model_dir: str, other_dir: str):
     DPO (reference logprobs from another model, so h != 0) at dp2/tp2/pp2 packed, dp2 in small micro-batches, dp2
     unpacked (no shared prefix), and dp2 varlen (cascade attention)."""
     from megatron_rl.algorithms.supervised_loss import DPOLossFn, SFTLossFn
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
@@ -127,15 +129,18 @@ def sft_dpo_layouts(rank: int, world_size: int, model_dir: str, other_dir: str):
             # whole examples packed into several token-budget varlen micro-batches (pairs: whole pairs)
             ("sft", "dp2_varlen_small_mb", dict(budget=24, packing="varlen")), ("dpo", "dp2_small_mb", dict(budget=32)),
             ("dpo", "dp2", {}), ("dpo", "tp2", dict(tp=2)), ("dpo", "pp2", dict(pp=2)),
-            ("dpo", "dp2_unpacked", dict(shared_prefix=False)), ("dpo", "dp2_varlen", dict(packing="varlen"))]
+            ("dpo", "dp2_unpacked", dict(shared_prefix=False)), ("dpo", "dp2_varlen", dict(packing="varlen")),
+            # the same steps on the FSDP2 backend (HF model sharded over dp): the same references, and megatron's dp2
+            ("sft", "fsdp2_dp2", dict(backend="fsdp2")), ("dpo", "fsdp2_dp2", dict(backend="fsdp2"))]
     for algo, name, kw in runs:
-        extra = {k: kw.pop(k) for k in ("shared_prefix", "packing") if k in kw}
+        extra = {k: kw.pop(k) for k in ("shared_prefix", "packing", "backend") if k in kw}
         cfg = _cfg(model_dir, **kw)
         for k, v in extra.items():
             setattr(cfg, k, v)
-        w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
+        worker = FSDP2PolicyWorker if cfg.backend == "fsdp2" else MegatronPolicyWorker
+        w = worker(rank, world_size, policy_cfg=cfg)
         w.setup()
-        out = {"shared_prefix": w.shared_prefix, "varlen": w.varlen,
+        out = {"shared_prefix": getattr(w, "shared_prefix", cfg.shared_prefix), "varlen": w.varlen,
                "micro_batches": len(w._micro_batches(sb if algo == "sft" else pb))}
         if algo == "dpo":
             # the worker's own reference pass (the frozen initial weights) is the HF model's logprobs

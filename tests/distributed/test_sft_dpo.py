@@ -1,6 +1,7 @@
 """SFT and DPO on the Megatron policy worker at DP=2, TP=2, PP=2 equal independent references (HF transformers'
 masked cross-entropy; the DPO paper's loss in plain torch on HF logits; torch AdamW), and packed (shared-prompt,
-dense or varlen cascade) DPO equals unpacked to 1e-5 in fp32. One launch for all layouts (sft_dpo_bodies.py)."""
+dense or varlen cascade) DPO equals unpacked to 1e-5 in fp32; the FSDP2 backend's SFT and DPO steps at DP=2 equal the
+same references and the megatron backend's step. One launch for all layouts (sft_dpo_bodies.py)."""
 import pytest
 import torch
 
@@ -8,8 +9,8 @@ from megatron_rl.distributed.launch import run_distributed
 from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed import sft_dpo_bodies
 
-SFT_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_varlen_small_mb"]
-DPO_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "dp2_unpacked", "dp2_varlen"]
+SFT_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_varlen_small_mb", "fsdp2_dp2"]
+DPO_LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "dp2_unpacked", "dp2_varlen", "fsdp2_dp2"]
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,17 @@ def test_packed_dpo_equals_unpacked(results):
             assert other["metrics"][k] == pytest.approx(unpacked["metrics"][k], rel=0, abs=1e-5), k
         for k, v in unpacked["after"].items():
             torch.testing.assert_close(other["after"][k], v, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_fsdp2_step_equals_megatron_step(results, algo):
+    # the two backends side by side on the same batch (each is also checked against the HF reference above)
+    fsdp2, meg = results[(algo, "fsdp2_dp2")], results[(algo, "dp2")]
+    for k in ("loss", "grad_norm"):
+        assert fsdp2["metrics"][k] == pytest.approx(meg["metrics"][k], rel=1e-5), k
+    assert set(fsdp2["after"]) == set(meg["after"])
+    for k, v in meg["after"].items():
+        torch.testing.assert_close(fsdp2["after"][k], v, atol=1e-5, rtol=0, msg=lambda s: f"{algo} {k}: {s}")
+    if algo == "dpo":  # the reference pass: both backends' frozen initial weights
+        for got, want in zip(fsdp2["worker_ref"], meg["worker_ref"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

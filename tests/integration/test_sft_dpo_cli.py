@@ -1,7 +1,8 @@
 """`megatron-rl sft` and `megatron-rl dpo` end to end through the real CLI (Ray + megatron-core policy ranks, no vLLM
 engine) on a tiny model with the SmolLM2 tokenizer and the tiny data fixtures: the records, checkpoints and the
 validation loss; a stopped SFT run re-run with more steps reproduces the uninterrupted run's records (across an
-epoch boundary); a bad data line is one line naming file, line and field, before any worker starts."""
+epoch boundary); a bad data line is one line naming file, line and field, before any worker starts. `-m slow`: the
+same SFT and DPO runs on policy.backend=fsdp2."""
 from __future__ import annotations
 
 import json
@@ -108,3 +109,40 @@ def test_bad_data_line_named_before_any_worker(model, tmp_path, algo, line, fiel
     err = [x for x in r.stderr.splitlines() if x.strip()]
     assert err == [f"data error: {data}:4: {err[0].split(':4: ', 1)[1]}"] and field in err[0], r.stderr
     assert "starting" not in r.stdout and not (tmp_path / "out" / "logs").exists()  # nothing was started
+
+
+def _fsdp2_and_megatron(algo, sft_full, model, tmp_path):
+    """The same CLI run on policy.backend=fsdp2 and on megatron (SFT: the uninterrupted run above; DPO at dp2)."""
+    steps = ("sft.max_steps=4", "sft.val_every=2") if algo == "sft" else \
+        ("dpo.max_steps=2", "dpo.val_every=2", "cluster.devices_per_node=2", "dpo.sft_loss_weight=0.1")
+    ok(run(algo, tmp_path / "fsdp2", model, *steps, "policy.backend=fsdp2"))
+    if algo == "dpo":
+        ok(run(algo, tmp_path / "megatron", model, *steps))
+    return records(tmp_path / "fsdp2"), records(sft_full if algo == "sft" else tmp_path / "megatron")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_fsdp2_backend_runs_sft_and_dpo(sft_full, model, tmp_path, algo):
+    got, want = _fsdp2_and_megatron(algo, sft_full, model, tmp_path)
+    assert sorted(got) == sorted(want)
+    assert sorted(p.name for p in (tmp_path / "fsdp2" / "checkpoints").iterdir()) == \
+        (["step_2", "step_4"] if algo == "sft" else ["step_2"])
+    for s, w in want.items():
+        for k in ("num_trained_tokens", "epoch", "lr"):
+            assert got[s].get(k) == w.get(k), (s, k)
+    # on the initial weights (the validation baseline, step 1's forward) both backends compute the same losses
+    assert got[0]["val_loss"] == pytest.approx(want[0]["val_loss"], rel=1e-5)
+    for k in ("loss", "logps_chosen", "logps_rejected", "sft_loss"):
+        if k in want[1]:
+            assert got[1][k] == pytest.approx(want[1][k], rel=1e-5), k
+    assert got[max(got)]["val_loss"] < got[0]["val_loss"]  # and the fsdp2 run learns
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="on the CLI's batch megatron's step-1 gradient norm is 114.7, FSDP2's 13.26; on "
+                   "the untied model with the same batch HF's own backward gives FSDP2's 10.2756, megatron 83.88 "
+                   "(docs/fsdp2.md, What is left)")
+def test_fsdp2_and_megatron_sft_gradients_agree(sft_full, model, tmp_path):
+    got, want = _fsdp2_and_megatron("sft", sft_full, model, tmp_path)
+    assert got[1]["grad_norm"] == pytest.approx(want[1]["grad_norm"], rel=1e-5)
