@@ -134,6 +134,11 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32,
                                                   **({"attn_implementation": "eager"} if capped else {}))
         lm.config.use_cache = False
+        # transformers builds the embedding with padding_idx = config.pad_token_id, whose row then never gets a
+        # gradient; SmolLM2's pad is <|im_end|>, a token of every chat prompt, which megatron (and vLLM) treat as any
+        # token: trained the same on both backends (on the CLI's SFT batch the step-1 gradient norms were 13.26 here
+        # and 114.7 on megatron before this; a random tiny model's zeroed pad row makes it that large)
+        lm.get_input_embeddings().padding_idx = None
         self.hf_config = lm.config
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))

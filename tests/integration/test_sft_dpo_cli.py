@@ -140,9 +140,12 @@ def test_fsdp2_backend_runs_sft_and_dpo(sft_full, model, tmp_path, algo):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="on the CLI's batch megatron's step-1 gradient norm is 114.7, FSDP2's 13.26; on "
-                   "the untied model with the same batch HF's own backward gives FSDP2's 10.2756, megatron 83.88 "
-                   "(docs/fsdp2.md, What is left)")
 def test_fsdp2_and_megatron_sft_gradients_agree(sft_full, model, tmp_path):
+    """The tiny model's config names a pad token (<|im_end|>, in every chat prompt) whose embedding row transformers
+    initialised to zero: HF's padding_idx would keep that row's gradient at zero, megatron trains it (a gradient norm
+    of 114.7 against 13.26). The FSDP2 worker drops padding_idx, so both train the same function."""
     got, want = _fsdp2_and_megatron("sft", sft_full, model, tmp_path)
-    assert got[1]["grad_norm"] == pytest.approx(want[1]["grad_norm"], rel=1e-5)
+    for s in sorted(want):
+        if "grad_norm" in want[s]:
+            assert got[s]["grad_norm"] == pytest.approx(want[s]["grad_norm"], rel=1e-4), s
+            assert got[s]["loss"] == pytest.approx(want[s]["loss"], rel=1e-4), s
