@@ -24,6 +24,7 @@ def fsdp2_train(check) -> dict:
     from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
 
     meg, batch, sh = check._need_worker(), check.batch, check.shapes
+    # the `if gpu:` lines read CUDA's allocator, which the CPU dry run (test_gpu_check) has not: GPU-only by nature
     gpu = torch.cuda.is_available() and meg.device.type == "cuda"
     if gpu:
         torch.cuda.reset_peak_memory_stats()

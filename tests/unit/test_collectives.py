@@ -54,6 +54,10 @@ ALLOWED = {
     ("megatron_rl/policy/topk.py", "vocab_topk", "all_reduce"):
         _MODEL_DEVICE + " (the teacher's logit statistics over its TP vocabulary shards)",
     ("megatron_rl/policy/topk.py", "vocab_topk", "all_gather"): _MODEL_DEVICE + " (each TP shard's top-k)",
+    ("megatron_rl/policy/fsdp2_tp.py", "grad_norm", "all_reduce"):
+        "the sums tensor is made on the gradients' device (the rank's GPU under NCCL, CPU under gloo)",
+    ("megatron_rl/policy/fsdp2_tp.py", "_CopyToTP.backward", "all_reduce"):
+        _MODEL_DEVICE + " (dL/dhidden of the FSDP2 model's vocab-split logits)",
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }
