@@ -4,8 +4,8 @@ transformers (5.x) passes a 4-D mask through unchanged (`masking_utils.create_ca
 as is), so the mask must already be what each layer should see:
 
 - additive float in the compute dtype (0 = attend, finfo.min = masked). Eager attention adds the mask to the scores,
-  so a 4-D *bool* mask is wrong there (measured on transformers 5.19: a packed row then differs from separate forwards by 0.86 nats;
-  with the float mask by 5e-7, sdpa and eager alike);
+  so a 4-D *bool* mask is wrong there (measured on transformers 5.19: a packed row then differs from separate
+  forwards by 0.86 nats; with the float mask by 5e-7, sdpa and eager alike);
 - per layer type: a model with sliding-window layers (Gemma-2's `layer_types`, Mistral's `sliding_window`) would
   otherwise give its sliding layers the full mask. Those take a dict {layer type: mask} (Gemma-2, Qwen2) or, where
   every layer slides, one mask with the window applied. The window is measured in positions, not columns: in a

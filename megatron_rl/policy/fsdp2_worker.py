@@ -167,7 +167,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them
         self.ref_weights = self._weights_copy()
         n = sum(p.numel() for p in self.model.parameters())
-        return {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "pp_rank": 0, "dp_size": self.dp_size,
+        return {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "pp_rank": 0,
+                "dp_size": self.dp_size,
                 "num_params": n, "trainable_params": n, "backend": "fsdp2"}
 
     def _build_optimizer(self) -> None:

@@ -109,19 +109,9 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str, ll
 
     # exact resume: a second step, save, a third step == a fresh worker that loads and takes the third step
     w.train(make_batch(vocab, seed=3), grpo_loss, temperature=TEMP)
-    w.save(ckpt_dir, extra={"data_position": 8})
-    b2 = make_batch(vocab, seed=2)
-    m_a = w.train(b2, grpo_loss, temperature=TEMP)["metrics"]
-    a = w.hf_state_dict()
-    w2 = FSDP2PolicyWorker(rank, world_size, policy_cfg=cfg(model_dir, "fsdp2", budget=26), max_steps=10)
-    w2.setup()
-    extra = w2.load(ckpt_dir)
-    m_b = w2.train(b2, grpo_loss, temperature=TEMP)["metrics"]
-    b = w2.hf_state_dict()
-    out["resume"] = {"extra": extra, "steps": (w.step, w2.step), "m_a": m_a, "m_b": m_b,
-                     "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a))}
-    with open(f"{ckpt_dir}/metadata.json") as f:
-        out["ckpt_meta"] = json.load(f)
+    out["resume"] = _resume(rank, world_size, w, cfg(model_dir, "fsdp2", budget=26), make_batch(vocab, seed=2),
+                            ckpt_dir, extra={"data_position": 8})
+    out["ckpt_meta"] = out["resume"].pop("meta")
     out["bf16"] = bf16_step(rank, world_size, model_dir)
     out["packed"] = packed_layouts(rank, world_size, model_dir)
     out["tp"] = tp_steps(rank, world_size, {"qwen2": model_dir, "llama": llama_dir}, f"{ckpt_dir}-tp")
@@ -233,18 +223,19 @@ def tp_steps(rank: int, world_size: int, model_dirs: dict, ckpt_dir: str) -> dic
     return out
 
 
-def _resume(rank, world_size, w, c, batch, ckpt_dir) -> dict:
+def _resume(rank, world_size, w, c, batch, ckpt_dir, extra=None) -> dict:
+    """Save, one step on `batch` == a fresh worker of config `c` that loads and takes the same step."""
     from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
 
-    w.save(ckpt_dir)
+    w.save(ckpt_dir, extra=extra)
     m_a = w.train(batch, grpo_loss, temperature=TEMP)["metrics"]
     a = w.hf_state_dict()
     w2 = FSDP2PolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
     w2.setup()
-    w2.load(ckpt_dir)
+    loaded = w2.load(ckpt_dir)
     m_b = w2.train(batch, grpo_loss, temperature=TEMP)["metrics"]
     b = w2.hf_state_dict()
     with open(f"{ckpt_dir}/metadata.json") as f:
-        layout = json.load(f)["layout"]
-    return {"loss": (m_a["loss"], m_b["loss"]), "grad_norm": (m_a["grad_norm"], m_b["grad_norm"]), "layout": layout,
+        meta = json.load(f)
+    return {"extra": loaded, "steps": (w.step, w2.step), "m_a": m_a, "m_b": m_b, "meta": meta,
             "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a))}

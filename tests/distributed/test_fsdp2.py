@@ -206,8 +206,8 @@ def test_same_grpo_step_at_tp2_on_both_backends(results, case):
 
 def test_tp2_save_load_next_step_bit_identical(results):
     r = results[0]["tp"]["resume"]
-    assert r["same"] is True and r["loss"][0] == r["loss"][1] and r["grad_norm"][0] == r["grad_norm"][1]
-    assert r["layout"]["tp"] == 2 and r["layout"]["dp"] == 1
+    assert r["same"] is True and r["m_a"]["loss"] == r["m_b"]["loss"] and r["m_a"]["grad_norm"] == r["m_b"]["grad_norm"]
+    assert r["meta"]["layout"]["tp"] == 2 and r["meta"]["layout"]["dp"] == 1
 
 
 @pytest.mark.slow
@@ -224,4 +224,4 @@ def test_dp2_x_tp2_on_four_ranks(tmp_path):
         assert fs["metrics"]["grad_norm"] == pytest.approx(meg["metrics"]["grad_norm"], rel=1e-5), case
         for k, v in fs["after"].items():
             torch.testing.assert_close(v, meg["after"][k], atol=1e-5, rtol=1e-5, msg=lambda s: f"{case} {k}: {s}")
-    assert r["resume"]["same"] is True and r["resume"]["layout"]["world_size"] == 4
+    assert r["resume"]["same"] is True and r["resume"]["meta"]["layout"]["world_size"] == 4
