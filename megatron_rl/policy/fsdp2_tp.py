@@ -120,3 +120,22 @@ class _CopyToTP(torch.autograd.Function):
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Sum over the TP group forward, identity backward (Megatron's "g"): per-rank partial values of a vocab-split
+    quantity (top-k distillation's logits at given ids, policy/topk.py) whose total every rank then uses alike."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()  # all_reduce is in place; the caller's tensor may be saved for its own backward
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromTP.apply(x.contiguous(), group)

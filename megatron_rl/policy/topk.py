@@ -10,7 +10,8 @@ fused head, else this rank's shard of the logits; `forward_pass.ForwardPass._tok
   (k + 1 rows of the output layer's weight per position with the fused head), each on the rank whose shard holds it,
   and summed over TP (megatron's reduce-from-TP region: all-reduce forward, identity backward); the hidden state
   enters through megatron's copy-to-TP region (identity forward, all-reduce backward), as each rank's partial
-  gradient of it must be summed.
+  gradient of it must be summed. The FSDP2 backend has no megatron parallel state: it passes its DTensor mesh's TP
+  group, and the same two regions come from policy/fsdp2_tp.py over that group.
 """
 from __future__ import annotations
 
@@ -51,11 +52,22 @@ def vocab_topk(output: torch.Tensor, head, k: int, temperature: float, tp_group=
 
 
 def logprobs_at(flat_output: torch.Tensor, head, ids: torch.Tensor, targets: torch.Tensor,
-                target_logprobs: torch.Tensor, temperature: float, tp_size: int = 1, vocab_start: int = 0):
-    """log pi(ids) [n, k] at n flat response positions (module doc): `flat_output` [n, h] hidden states (fused head)
-    or [n, V_local] logits, `targets` [n] the sampled ids, `target_logprobs` [n] their (differentiable) logprobs."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        reduce_from_tensor_model_parallel_region)
+                target_logprobs: torch.Tensor, temperature: float, tp_size: int = 1, vocab_start: int = 0,
+                tp_group=None):
+    """log pi(ids) [n, k] at n flat response positions (module doc): `flat_output` [n, h] hidden states (fused head:
+    `head.weight` this rank's vocabulary rows from id `head.vocab_start`) or [n, V_local] logits, `targets` [n] the
+    sampled ids, `target_logprobs` [n] their (differentiable) logprobs. `tp_group`: None is megatron's TP group."""
+    if tp_group is None:
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region as copy_in,
+                                                            reduce_from_tensor_model_parallel_region as reduce_out)
+    else:
+        from megatron_rl.policy.fsdp2_tp import copy_to_tp, reduce_from_tp
+
+        def copy_in(x):
+            return copy_to_tp(x, tp_group)
+
+        def reduce_out(x):
+            return reduce_from_tp(x, tp_group)
 
     dev = flat_output.device
     every = torch.cat([targets.reshape(-1, 1).to(dev), ids.to(dev)], dim=1)
@@ -65,12 +77,12 @@ def logprobs_at(flat_output: torch.Tensor, head, ids: torch.Tensor, targets: tor
     inside = (local >= 0) & (local < n_local)
     local = local.clamp(0, n_local - 1)
     if fused:
-        h = copy_to_tensor_model_parallel_region(flat_output) if tp_size > 1 else flat_output
+        h = copy_in(flat_output) if tp_size > 1 else flat_output
         z = (h.float()[:, None, :] * head.weight[local].float()).sum(-1)  # only the k + 1 rows per position
     else:
         z = flat_output.float().gather(-1, local)
     z = torch.where(inside, z, torch.zeros_like(z))
     if tp_size > 1:
-        z = reduce_from_tensor_model_parallel_region(z)
+        z = reduce_out(z)
     z = z / temperature
     return target_logprobs.reshape(-1, 1).float() + (z[:, 1:] - z[:, :1])
