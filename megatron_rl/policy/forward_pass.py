@@ -161,24 +161,24 @@ class ForwardPass:
             vocab_start_index=ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0,
             temperature=temperature)
 
-    def _topk_inputs(self, output: torch.Tensor, mb: batching.MicroBatchRows, batch: RolloutBatch,
-                     flat_lp: torch.Tensor, temperature: float) -> dict:
+    def _topk_inputs(self, output: torch.Tensor, mb: batching.MicroBatchRows, fields, flat_lp: torch.Tensor,
+                     temperature: float) -> dict:
         """Top-k distillation's loss inputs for a micro-batch (`LossInputs.teacher_topk_logprobs` and the student's
-        differentiable `student_topk_logprobs`, policy/topk.py); {} when the batch carries no teacher top-k."""
-        if batch.teacher_topk_ids is None:
+        differentiable `student_topk_logprobs`, policy/topk.py); {} when the batch carries no teacher top-k.
+        `fields`: the step's `step_inputs.StepFields`."""
+        teacher = fields.teacher_topk(mb, flat_lp.device)
+        if teacher is None:
             return {}
         from megatron.core import parallel_state as ps
 
         from megatron_rl.policy.topk import logprobs_at
 
-        dev = flat_lp.device
-        ids = torch.cat([batch.teacher_topk_ids[i] for i in mb.indices]).to(dev)
-        teacher = torch.cat([batch.teacher_topk_logprobs[i].float() for i in mb.indices]).to(dev)
+        ids, teacher_lps = teacher
         tp = self.tp_size > 1
         student = logprobs_at(batching.flat(output, mb), self._fused_head, ids, batching.flat(mb.targets, mb),
                               flat_lp, temperature, self.tp_size,
                               ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0)
-        return {"teacher_topk_logprobs": teacher, "student_topk_logprobs": student}
+        return {"teacher_topk_logprobs": teacher_lps, "student_topk_logprobs": student}
 
     def _schedule(self, mbs, step_fn, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func

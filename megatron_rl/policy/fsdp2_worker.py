@@ -28,10 +28,15 @@ Differences that are the backend's:
 - Optimizer: torch AdamW over the DTensor shards with megatron's parameter groups (no weight decay on biases and
   1-D weights), the global gradient norm over DTensors, clipping as megatron clips.
 - Checkpoints: torch.distributed.checkpoint in megatron-rl's checkpoint directory format (`fsdp2_checkpoint.py`).
+- Distillation (the teacher is megatron's, policy/teacher_worker.py): the sampled-token mode needs nothing here (the
+  teacher's logprobs are a batch field the loss reads); top-k (`distillation.topk` > 0) has the root's forward also
+  return the student's logprobs at the teacher's ids (`topk.logprobs_at` on the same hidden states or logits, over
+  the mesh's TP group), while the lm_head is unsharded.
 """
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -66,7 +71,10 @@ class _Scorer(nn.Module):
         self.fused = fused
         self.tp_group = tp_group  # policy.tp > 1: the lm_head holds a vocab slice (policy/fsdp2_tp.py)
 
-    def forward(self, tokens, positions, window, targets, temperature: float, attention_mask=None):
+    def forward(self, tokens, positions, window, targets, temperature: float, attention_mask=None, topk=None):
+        """(logprobs, entropy) of the window's targets; with `topk` = (resp_mask [b, w], ids [n, k]), top-k
+        distillation's, also the student's differentiable logprobs [n, k] at those ids of the n response positions:
+        here, while the lm_head is unsharded, from the same hidden states or logits as the sampled token's."""
         from kernels import linear_token_logprobs, token_logprobs_and_entropy
 
         out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
@@ -77,15 +85,28 @@ class _Scorer(nn.Module):
         if self.tp_group is not None:
             weight, start = vocab_slice(weight)
         cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma-2: cap * tanh(logits / cap)
-        if self.fused and head.bias is None and not cap:  # no [tokens, vocab] logits in forward or backward
-            return linear_token_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=True,
-                                         vocab_start_index=start, **tp)
-        if self.tp_group is not None:  # the kernel sums the hidden gradient over TP only when it does the matmul
-            hidden = copy_to_tp(hidden, self.tp_group)
-        logits = hidden @ weight.T if head.bias is None else nn.functional.linear(hidden, weight, head.bias)
-        if cap:  # the fused kernel's tiles are plain matmuls: a capped model forms its logits, as HF's forward does
-            logits = torch.tanh(logits / cap) * cap
-        return token_logprobs_and_entropy(logits, targets, temperature=temperature, vocab_start_index=start, **tp)
+        fused = self.fused and head.bias is None and not cap
+        if fused:  # no [tokens, vocab] logits in forward or backward
+            lp, ent = linear_token_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=True,
+                                            vocab_start_index=start, **tp)
+            scored = hidden
+        else:
+            if self.tp_group is not None:  # the kernel sums the hidden gradient over TP only when it does the matmul
+                hidden = copy_to_tp(hidden, self.tp_group)
+            scored = hidden @ weight.T if head.bias is None else nn.functional.linear(hidden, weight, head.bias)
+            if cap:  # the fused kernel's tiles are plain matmuls: a capped model forms its logits, as HF's forward does
+                scored = torch.tanh(scored / cap) * cap
+            lp, ent = token_logprobs_and_entropy(scored, targets, temperature=temperature, vocab_start_index=start,
+                                                 **tp)
+        if topk is None:
+            return lp, ent
+        from megatron_rl.policy.topk import logprobs_at
+
+        resp, ids = topk
+        rows = SimpleNamespace(weight=weight, vocab_start=start) if fused else None  # topk.py's fused-head shape
+        tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
+        return lp, ent, logprobs_at(scored[resp], rows, ids, targets[resp], lp[resp], temperature, tp_size, start,
+                                    tp_group=self.tp_group)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
@@ -203,16 +224,22 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                                          dp_rank=self.dp_rank, multiple=1, equal_counts=self.dp_size > 1)
         return [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
 
-    def _score(self, mb: batching.MicroBatchRows, temperature: float):
-        """(logprobs, entropy) of the micro-batch's response window, and the mb narrowed to it."""
+    def _score(self, mb: batching.MicroBatchRows, temperature: float, fields: StepFields | None = None):
+        """(logprobs, entropy, the mb narrowed to the response window, extra LossInputs): the extras are top-k
+        distillation's teacher and student logprobs at the teacher's ids when `fields`' batch carries them, else {}."""
         start, view = batching.response_window(mb)
         dev = self.device
         window = start if isinstance(start, int) else start.to(dev)
         positions = mb.position_ids.to(dev)
         mask = None if mb.attention_mask is None else \
             hf_attention_mask(mb.attention_mask.to(dev), positions, self.mask_kinds, self.dtype)
-        lp, ent = self.model(mb.tokens.to(dev), positions, window, view.targets.to(dev), temperature, mask)
-        return lp, ent, view
+        teacher = None if fields is None or mb.filler else fields.teacher_topk(view, dev)
+        topk = None if teacher is None else (view.resp_mask.to(dev), teacher[0])
+        out = self.model(mb.tokens.to(dev), positions, window, view.targets.to(dev), temperature, mask, topk)
+        if teacher is None:
+            return *out, view, {}
+        lp, ent, student = out
+        return lp, ent, view, {"teacher_topk_logprobs": teacher[1], "student_topk_logprobs": student}
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False):
@@ -222,7 +249,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.model.eval()
         try:
             for mb in self._micro_batches(batch):
-                lp, ent, view = self._score(mb, temperature)
+                lp, ent, view, _ = self._score(mb, temperature)
                 for i, l, e in zip(view.indices, batching.split_rows(lp, view), batching.split_rows(ent, view)):
                     out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
         finally:
@@ -261,14 +288,14 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         reduced = []
         self.optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
-            lp, ent, view = self._score(mb, temperature)
+            lp, ent, view, extra = self._score(mb, temperature, fields)
             if mb.filler:  # the same collectives as a real micro-batch, an exact zero gradient, nothing counted
                 ((lp.sum() + ent.sum()) * 0.0).backward()
                 continue
             flat_lp = batching.flat(lp, view)
             for i, l in zip(view.indices, batching.split_rows(lp.detach(), view)):
                 own_lp[i] = l.float().cpu()
-            loss, metrics = loss_fn(fields.loss_inputs(view, flat_lp, batching.flat(ent, view)))
+            loss, metrics = loss_fn(fields.loss_inputs(view, flat_lp, batching.flat(ent, view), extra))
             loss.backward()
             reduced.append(reduced_metrics(loss, metrics, mb))
         metrics = sum_metrics(reduced, self.dp_group if self.dp_size > 1 else None)

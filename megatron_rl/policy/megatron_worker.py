@@ -166,7 +166,7 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
                     own_lp[i] = l.float().cpu()
                 inputs = fields.loss_inputs(
                     mb, flat_lp, batching.flat(ent, mb),
-                    self._topk_inputs(logits, mb, batch, flat_lp, temperature))  # top-k distillation only
+                    self._topk_inputs(logits, mb, fields, flat_lp, temperature))  # top-k distillation only
                 loss, metrics = loss_fn(inputs)
                 report = first_dp and raw is mbs[0]
                 count = torch.tensor(n_tokens if report else 0, dtype=torch.int, device=flat_lp.device)

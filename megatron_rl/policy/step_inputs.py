@@ -28,6 +28,15 @@ class StepFields:
         self.groups = torch.tensor(batch.group_ids, dtype=torch.long) if batch.group_ids is not None else None
         self.roles = torch.tensor(batch.seq_roles, dtype=torch.float32) if batch.seq_roles is not None else None
 
+    def teacher_topk(self, mb: batching.MicroBatchRows, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Top-k distillation: (the teacher's ids [n, k], their logprobs [n, k] fp32) at the micro-batch's n response
+        positions in `batching.flat` order, for the backend's student logprobs at those ids; None without them."""
+        batch = self.batch
+        if batch.teacher_topk_ids is None:
+            return None
+        ids = torch.cat([batch.teacher_topk_ids[i] for i in mb.indices]).to(dev)
+        return ids, torch.cat([batch.teacher_topk_logprobs[i].float() for i in mb.indices]).to(dev)
+
     def loss_inputs(self, mb: batching.MicroBatchRows, flat_lp: torch.Tensor, flat_ent: torch.Tensor,
                     extra: dict | None = None) -> LossInputs:
         """The micro-batch's loss inputs; `extra`: more LossInputs fields (top-k distillation's)."""
