@@ -135,8 +135,11 @@ def check_teacher_vocab(cfg: Config, student_tok) -> None:
 
 def teacher_policy_config(cfg: Config) -> PolicyConfig:
     """The teacher ranks' PolicyConfig: the teacher's folder and split, the policy's forward settings (micro-batch
-    budget, packing, shared prefix, fused head), no LoRA, no optimizer use."""
+    budget, packing, shared prefix, fused head), no LoRA, no optimizer use. The teacher is a megatron model whatever
+    the student's `policy.backend` (policy/teacher_worker.py): it only scores, and its logprobs and top-k come from
+    the policy's own megatron forward; an fsdp2 student reads them like any other batch field."""
     d = cfg.distillation
-    return dataclasses.replace(cfg.policy, model=str(teacher_hf_dir(d.teacher)), tokenizer=None, tp=d.tp, pp=d.pp,
+    return dataclasses.replace(cfg.policy, backend="megatron", model=str(teacher_hf_dir(d.teacher)), tokenizer=None,
+                               tp=d.tp, pp=d.pp,
                                dp=None, ep=1, moe_aux_loss_coef=0.0, lora=None, activation_recompute=False,
                                precision=cfg.policy.precision if d.precision == "auto" else d.precision)

@@ -291,8 +291,6 @@ def _validate_backend(cfg: Config) -> None:
     if p.lora is not None:
         raise ConfigError("policy.lora: policy.backend=fsdp2 trains every weight (unset policy.lora, or "
                           "policy.backend=megatron)")
-    if cfg.distillation is not None:
-        raise ConfigError("distillation: its teacher runs on the megatron backend only (policy.backend=megatron)")
 
 
 def _validate_lora(cfg: Config) -> None:

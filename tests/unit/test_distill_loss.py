@@ -205,6 +205,18 @@ def test_invalid_sections_name_the_key(overrides, match):
         _cfg(overrides)
 
 
+@pytest.mark.parametrize("topk", [0, 8])
+def test_an_fsdp2_student_distils_from_a_megatron_teacher(topk):
+    """policy.backend=fsdp2 takes a distillation section (both modes); the teacher's ranks stay megatron's."""
+    from megatron_rl.config.distillation import teacher_policy_config
+
+    cfg = _cfg(["distillation.teacher=/some/teacher", f"distillation.topk={topk}", "distillation.tp=2",
+                "policy.backend=fsdp2", "policy.tp=2", "cluster.devices_per_node=2"])
+    teacher = teacher_policy_config(cfg)
+    assert cfg.policy.backend == "fsdp2" and cfg.distillation.topk == topk
+    assert teacher.backend == "megatron" and teacher.model == "/some/teacher" and teacher.tp == 2
+
+
 def test_zero_advantage_skip_is_off_under_distillation():
     from megatron_rl.algorithms.trainable import why_not_skippable
 
