@@ -1,8 +1,10 @@
 """Rank bodies for test_distill.py: the distillation teacher (policy/teacher_worker.py) and loss
 (algorithms/distill_loss.py) on Megatron at TP=2, PP=2 and DP=2 against HF transformers and a plain-torch
-reverse-KL reference written here, independent of megatron and of megatron_rl's loss code."""
+reverse-KL reference written here, independent of megatron and of megatron_rl's loss code. The student runs on
+either policy backend (`policy.backend`: megatron, or fsdp2 at DP=2 and DTensor TP=2); the teacher is megatron's."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -12,9 +14,30 @@ from tests.distributed.policy_bodies import EPS, LR, TEMP, _cfg, _gather_obj, _m
 
 KL_COEF, REWARD_WEIGHT = 0.8, 0.5  # both terms of the advantage are on, so each one's weight is checked
 TEACHER_LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_unfused": dict(tp=2, fused_lm_head=False)}
-STUDENT_LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2)}
+# student layouts: policy overrides (`backend` picks the worker class, as build.policy_worker_class does for a run)
+STUDENT_LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2),
+                   "fsdp2_dp2": dict(backend="fsdp2"), "fsdp2_tp2": dict(backend="fsdp2", tp=2)}
 TOPK = 5
-TOPK_STUDENT_LAYOUTS = ("dp2", "tp2", "tp2_unfused")
+TOPK_STUDENT_LAYOUTS = {**STUDENT_LAYOUTS, "tp2_unfused": dict(tp=2, fused=False),
+                        "fsdp2_tp2_unfused": dict(backend="fsdp2", tp=2, fused=False)}
+
+
+def _student(rank: int, world_size: int, student_dir: str, backend: str = "megatron", **kw):
+    """A set-up policy worker of `backend` on the reference's config (fp32, AdamW, clip 1)."""
+    from megatron_rl.build import policy_worker_class
+
+    w = policy_worker_class(backend)(rank, world_size,
+                                     policy_cfg=dataclasses.replace(_cfg(student_dir, **kw), backend=backend))
+    w.setup()
+    return w
+
+
+def _student_step(w, batch, loss_fn) -> dict:
+    """One distillation step: its metrics and the HF-named weights after it (rank 0)."""
+    outs = [o for o in _gather_obj(w.train(batch, loss_fn, temperature=TEMP)) if o]
+    after = _gather_obj(w.hf_state_dict())
+    return {"metrics": outs[0]["metrics"],
+            "after": {k: v for d in after if d for k, v in d.items()} if w.rank == 0 else None}
 
 
 def hf_logprobs(model, batch) -> list[torch.Tensor]:
@@ -109,7 +132,6 @@ def distill_suite(rank: int, world_size: int, student_dir: str, teacher_dir: str
     from megatron_rl.algorithms.distill_loss import DistillLossFn
     from megatron_rl.config.schema import DistillationConfig, LossConfig
     from megatron_rl.lifecycle import OFFLOADED, RESIDENT, LifecycleError
-    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
     from megatron_rl.policy.teacher_worker import TeacherWorker
 
     vocab = json.load(open(f"{student_dir}/config.json"))["vocab_size"]
@@ -155,13 +177,9 @@ def distill_suite(rank: int, world_size: int, student_dir: str, teacher_dir: str
     res["ref_topk_step"] = {"loss": value, "grad_norm": norm, "state": state if rank == 0 else None}
     loss_fn = DistillLossFn(LossConfig(), DistillationConfig(teacher="hf", kl_coef=KL_COEF,
                                                              reward_weight=REWARD_WEIGHT, topk=TOPK))
-    for name, kw in {**STUDENT_LAYOUTS, "tp2_unfused": dict(tp=2, fused=False)}.items():
-        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(student_dir, **kw))
-        w.setup()
-        outs = [o for o in _gather_obj(w.train(batch, loss_fn, temperature=TEMP)) if o]
-        after = _gather_obj(w.hf_state_dict())
-        res[f"topk_student_{name}"] = {"metrics": outs[0]["metrics"],
-                                       "after": {k: v for d in after if d for k, v in d.items()} if rank == 0 else None}
+    for name, kw in TOPK_STUDENT_LAYOUTS.items():
+        w = _student(rank, world_size, student_dir, **kw)
+        res[f"topk_student_{name}"] = _student_step(w, batch, loss_fn)
         del w
     batch.teacher_topk_ids = batch.teacher_topk_logprobs = None
 
@@ -172,12 +190,8 @@ def distill_suite(rank: int, world_size: int, student_dir: str, teacher_dir: str
     loss_fn = DistillLossFn(LossConfig(), DistillationConfig(teacher="hf", kl_coef=KL_COEF,
                                                              reward_weight=REWARD_WEIGHT))
     for name, kw in STUDENT_LAYOUTS.items():
-        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(student_dir, **kw))
-        w.setup()
-        outs = [o for o in _gather_obj(w.train(batch, loss_fn, temperature=TEMP)) if o]
-        after = _gather_obj(w.hf_state_dict())
-        res[f"student_{name}"] = {"metrics": outs[0]["metrics"],
-                                  "after": {k: v for d in after if d for k, v in d.items()} if rank == 0 else None}
+        w = _student(rank, world_size, student_dir, **kw)
+        res[f"student_{name}"] = _student_step(w, batch, loss_fn)
         if name == "tp2":  # a megatron-rl checkpoint of the trained student, distilled from below
             w.save(ckpt_dir)
         del w

@@ -3,7 +3,9 @@ TP=2, PP=2 and on the unfused logits path, it takes its turn on the device (offl
 numbers); the student's distillation loss and gradient (grad norm, and the weights after one AdamW step) equal a
 plain-torch reverse-KL reference on HF logits at DP=2 and TP=2; a megatron-rl checkpoint serves as a teacher at
 another split. Top-k: the teacher's top-k over its TP-sharded vocabulary equals HF's torch.topk, and the student's
-top-k + tail reverse-KL step equals a plain-torch one at DP=2, TP=2 and TP=2 unfused. One 2-process launch."""
+top-k + tail reverse-KL step equals a plain-torch one at DP=2, TP=2 and TP=2 unfused. Every student layout also runs
+on the FSDP2 backend (DP=2, DTensor TP=2, and TP=2 unfused for top-k) against the same references, and its step equals
+megatron's at the same split. One 2-process launch."""
 import pytest
 import torch
 
@@ -79,3 +81,22 @@ def test_topk_distill_loss_and_gradient_equal_plain_torch(results, layout):
     assert m["reverse_kl"] > 0
     for k, v in r["after"].items():
         torch.testing.assert_close(v, ref["state"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
+
+
+# (result key, its megatron counterpart): the FSDP2 student's step at each split against megatron's at the same split
+FSDP2_PAIRS = [(f"{kind}_{name}", f"{kind}_{name[len('fsdp2_'):]}")
+               for kind, layouts in (("student", distill_bodies.STUDENT_LAYOUTS),
+                                     ("topk_student", distill_bodies.TOPK_STUDENT_LAYOUTS))
+               for name in layouts if name.startswith("fsdp2_")]
+
+
+@pytest.mark.parametrize("fsdp2,megatron", FSDP2_PAIRS, ids=[a for a, _ in FSDP2_PAIRS])
+def test_fsdp2_student_step_equals_megatron(results, fsdp2, megatron):
+    """The same distillation step on both policy backends: loss, reverse KL, grad norm and every weight after the
+    AdamW step agree to fp32 rounding."""
+    a, b = results[fsdp2], results[megatron]
+    for key in ("loss", "reverse_kl", "grad_norm"):
+        assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert set(a["after"]) == set(b["after"])
+    for k, v in a["after"].items():
+        torch.testing.assert_close(v, b["after"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{fsdp2} {k}: {s}")
