@@ -136,8 +136,12 @@ def test_killed_teacher_rank_fails_fast_and_named(parts):
 
 
 # async: disaggregated engines generate step s+1 while step s trains, so the teacher scores a rollout one version old
-# and the importance correction sees staleness 1 (the teacher then shares the policy's bundles, resident)
-@pytest.mark.parametrize("mode", [[], ["cluster.colocated=false", "grpo.max_staleness=1"]], ids=["colocated", "async"])
+# and the importance correction sees staleness 1 (the teacher then shares the policy's bundles, resident).
+# fsdp2_topk: an FSDP2 student (DP=2) with the megatron teacher at TP=2, top-k, the same loop
+@pytest.mark.parametrize("mode", [[], ["cluster.colocated=false", "grpo.max_staleness=1"],
+                                  pytest.param(["policy.backend=fsdp2", "distillation.tp=2", "distillation.topk=4"],
+                                               marks=pytest.mark.slow)],
+                         ids=["colocated", "async", "fsdp2_topk"])
 def test_cli_distillation_run(tiny_model_factory, tmp_path, mode):
     student, teacher = _models(tiny_model_factory)
     out = tmp_path / "run"
@@ -154,5 +158,5 @@ def test_cli_distillation_run(tiny_model_factory, tmp_path, mode):
     logs = out / "logs"
     assert sorted(p.name for p in logs.glob("teacher-*.log")) == [p.name.replace("policy", "teacher")
                                                                  for p in sorted(logs.glob("policy-*.log"))]
-    if mode:  # step 2 trained on the rollout generated while step 1 trained
+    if "grpo.max_staleness=1" in mode:  # step 2 trained on the rollout generated while step 1 trained
         assert [x["staleness_max"] for x in recs if "reverse_kl" in x] == [0, 1]
