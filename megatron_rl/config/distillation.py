@@ -6,6 +6,8 @@ student. Defaults live in the schema (`schema.DistillationConfig`); this module 
 - `validate_teacher_model`: the teacher's split against its config.json (the loader, with check_model);
 - `check_teacher_vocab`: the teacher scores the student's token ids, so both tokenizers must map every token string
   to the same id (the pre-flight; one line naming both models otherwise);
+- `check_teacher_family`: the teacher is a megatron model on either policy backend, so its family must be one the
+  megatron backend builds (the pre-flight);
 - `teacher_policy_config`: the PolicyConfig the teacher's ranks build from (the policy's model-building code).
 """
 from __future__ import annotations
@@ -131,6 +133,21 @@ def check_teacher_vocab(cfg: Config, student_tok) -> None:
     if hf.get("vocab_size", 0) < student_tok.vocab_size:
         raise ConfigError(f"distillation.teacher={d.teacher}: its vocab_size {hf.get('vocab_size')} is smaller than "
                           f"the student's tokenizer ({student_tok.vocab_size} tokens, {student})")
+
+
+def check_teacher_family(cfg: Config) -> None:
+    """The teacher is built by the megatron backend's model code (policy/teacher_worker.py) whatever
+    `policy.backend` is, so its family must be one that code represents (an fsdp2 student may be of another)."""
+    from megatron_rl.models.provider import UnsupportedModelError, model_spec
+
+    d = cfg.distillation
+    if d is None:
+        return
+    try:
+        model_spec(teacher_hf_dir(d.teacher))
+    except UnsupportedModelError as e:
+        raise ConfigError(f"distillation.teacher={d.teacher}: {e} (the teacher runs on the megatron backend, "
+                          "whatever policy.backend is)") from None
 
 
 def teacher_policy_config(cfg: Config) -> PolicyConfig:

@@ -241,9 +241,10 @@ def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = Non
     check_vocab(cfg, spec, label, tok)
     check_chat_template(cfg, tok)
     if cfg.distillation is not None:
-        from megatron_rl.config.distillation import check_teacher_vocab
+        from megatron_rl.config.distillation import check_teacher_family, check_teacher_vocab
 
         check_teacher_vocab(cfg, tok)  # the teacher scores the student's ids: one vocabulary
+        check_teacher_family(cfg)  # a megatron model, also under an fsdp2 student of a family megatron lacks
     if generator:
         check_context(cfg, spec, label)
         warn_answer_format(cfg)

@@ -217,6 +217,16 @@ def test_an_fsdp2_student_distils_from_a_megatron_teacher(topk):
     assert teacher.backend == "megatron" and teacher.model == "/some/teacher" and teacher.tp == 2
 
 
+def test_a_teacher_of_a_family_megatron_does_not_build_is_refused_naming_the_key(tmp_path):
+    """An fsdp2 student may be OLMo-2; its teacher is built by megatron's model code, which refuses the family."""
+    from megatron_rl.config.distillation import check_teacher_family
+    from megatron_rl.config.loader import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}))
+    with pytest.raises(ConfigError, match=rf"distillation.teacher={tmp_path}: .*unsupported model.*megatron backend"):
+        check_teacher_family(_cfg([f"distillation.teacher={tmp_path}", "policy.backend=fsdp2"]))
+
+
 def test_zero_advantage_skip_is_off_under_distillation():
     from megatron_rl.algorithms.trainable import why_not_skippable
 
