@@ -6,7 +6,8 @@ student (policy DP=2) and a larger tiny teacher (TP=2) sharing the SmolLM2 token
   transformers' on the same tokens;
 - distillation steps train (sampled-token and top-k) and end with every part where a step leaves it;
 - a teacher rank killed mid-step stops the driver with a WorkerDiedError naming it, within seconds;
-- `megatron-rl train` with a `distillation:` section runs 2 steps through the CLI and logs the reverse KL.
+- `megatron-rl train` with a `distillation:` section runs 2 steps through the CLI and logs the reverse KL (`-m slow`:
+  also with an FSDP2 student and top-k).
 """
 import json
 import os
