@@ -181,7 +181,7 @@ def build(cfg: Config, out_dir: Path) -> Components:
     if cfg.generation.lora_refit == "adapter":  # the loader checked that policy.lora is set then
         from megatron_rl.generation.lora_serving import serving_spec
 
-        lora = serving_spec(cfg.policy.lora, model_dir)
+        lora = serving_spec(cfg.policy.lora, model_dir, cfg.policy.backend)
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
                         sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit,
                         teacher=teacher)

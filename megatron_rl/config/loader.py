@@ -276,7 +276,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
 
 def _validate_backend(cfg: Config) -> None:
     """What the FSDP2 backend (policy/fsdp2_worker.py) does not do yet refuses to start, naming the key: it shards
-    over data- and tensor-parallel ranks (no pipeline or expert parallelism) and trains every weight."""
+    over data- and tensor-parallel ranks (no pipeline or expert parallelism)."""
     p = cfg.policy
     if p.backend != "fsdp2":
         return
@@ -288,9 +288,6 @@ def _validate_backend(cfg: Config) -> None:
     if p.moe_aux_loss_coef > 0:
         raise ConfigError("policy.moe_aux_loss_coef: the router's load-balancing loss is wired on the megatron backend "
                           "only (set it to 0, or policy.backend=megatron)")
-    if p.lora is not None:
-        raise ConfigError("policy.lora: policy.backend=fsdp2 trains every weight (unset policy.lora, or "
-                          "policy.backend=megatron)")
 
 
 def _validate_lora(cfg: Config) -> None:
@@ -463,15 +460,26 @@ def validate_against_model(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(f"{e} (model: {cfg_file})") from None
     if cfg.policy.lora is not None:
-        from megatron_rl.models.lora_targets import resolve_targets
-
         try:
-            resolve_targets(cfg.policy.lora.target_modules, hf)
+            _check_lora_targets(cfg, model_dir, hf)
         except ValueError as e:
             raise ConfigError(f"{e} (model: {cfg_file})") from None
     from megatron_rl.config.distillation import validate_teacher_model
 
     validate_teacher_model(cfg)
+
+
+def _check_lora_targets(cfg: Config, model_dir: Path, hf: dict) -> None:
+    """megatron: the HF projections its fused linears carry; fsdp2: any nn.Linear of transformers' decoder layers,
+    listed on a meta-device copy of the model (its modules, no weights)."""
+    from megatron_rl.models import lora_targets
+
+    if cfg.policy.backend != "fsdp2":
+        lora_targets.resolve_targets(cfg.policy.lora.target_modules, hf)
+        return
+    from megatron_rl.models.hf_layers import lora_linear_paths
+
+    lora_linear_paths(cfg.policy.lora.target_modules, model_dir)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:

@@ -43,10 +43,16 @@ def served_rank(rank: int) -> int:
     raise ValueError(f"policy.lora.rank={rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}")
 
 
-def serving_spec(lora_cfg, model_dir) -> dict:
-    """What an engine needs to know of `policy.lora` to serve its adapters: {"rank", "targets": the HF projections}."""
+def serving_spec(lora_cfg, model_dir, backend: str = "megatron") -> dict:
+    """What an engine needs to know of `policy.lora` to serve its adapters: {"rank", "targets": the HF module names}
+    (the FSDP2 backend adapts transformers' modules as they are, e.g. Phi-3's fused qkv_proj)."""
     import json
 
+    if backend == "fsdp2":
+        from megatron_rl.models.hf_layers import lora_linear_paths
+
+        names = sorted({p.rsplit(".", 1)[-1] for p in lora_linear_paths(lora_cfg.target_modules, model_dir)})
+        return {"rank": int(lora_cfg.rank), "targets": names}
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     return {"rank": int(lora_cfg.rank), "targets": [t.hf for t in resolve_targets(lora_cfg.target_modules, hf)]}
 

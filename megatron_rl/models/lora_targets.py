@@ -6,7 +6,9 @@ that projection's rows of the fused output (`models/mapping.py` has the fused la
 exactly the matrices it trains in PEFT. `all-linear` is PEFT's shorthand for every linear layer but the lm_head.
 
 This module is pure (no torch, no megatron): the config loader checks targets against the model's config.json with it
-before anything starts, and the policy's adapters (`models/lora.py`) are built from its `resolve_targets`.
+before anything starts, and the policy's adapters (`models/lora.py`) are built from its `resolve_targets`. The FSDP2
+backend adapts transformers' modules as they are (`select_hf_linears`, policy/fsdp2_lora.py), so there a target is
+any nn.Linear of the decoder layers, as in PEFT.
 """
 from __future__ import annotations
 
@@ -66,9 +68,36 @@ def resolve_targets(target_modules, hf_config: dict) -> list[Target]:
 
 def peft_name(layer: int, target: Target, matrix: str) -> str:
     """PEFT's saved tensor name of one adapter matrix (A or B) of global layer `layer`."""
-    return f"base_model.model.model.layers.{layer}.{target.hf_parent}.{target.hf}.lora_{matrix}.weight"
+    return peft_hf_name(f"model.layers.{layer}.{target.hf_parent}.{target.hf}", matrix)
 
 
 def hf_weight_name(layer: int, target: Target) -> str:
     """The HF base weight a target adapts (the merged export adds the adapter's product to it)."""
     return f"model.layers.{layer}.{target.hf_parent}.{target.hf}.weight"
+
+
+def select_hf_linears(target_modules, linear_paths: list[str], moe: bool) -> list[str]:
+    """The FSDP2 backend's targets (it adapts transformers' own modules, whatever the architecture): the paths under
+    a decoder layer (`self_attn.q_proj`, Phi-3's `self_attn.qkv_proj`, ...) of the nn.Linear modules
+    `target_modules` names, as PEFT matches them (a name is a path's last part, or the path itself). `all-linear`:
+    every one of them (the lm_head is outside the layers), on an MoE model the attention ones (its routers and
+    experts take no adapters, as on the megatron backend). ValueError naming the key for a name matching none."""
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+    if not names:
+        raise ValueError(f"{KEY} is empty: name the projections to adapt (e.g. [q_proj, v_proj]) or 'all-linear'")
+    eligible = [p for p in linear_paths if not moe or p.split(".")[0] in ("self_attn", "attn", "attention")]
+    chosen: set[str] = set()
+    for n in names:
+        hits = eligible if n == ALL_LINEAR else [p for p in eligible if p == n or p.endswith("." + n)]
+        if not hits:
+            last = sorted({p.rsplit(".", 1)[-1] for p in eligible})
+            raise ValueError(f"{KEY}: {n!r} is no linear layer of this model's decoder layers that LoRA can adapt "
+                             f"(known: {', '.join(last)}, or '{ALL_LINEAR}'"
+                             f"{'; experts and routers take no adapters' if moe else ''})")
+        chosen.update(hits)
+    return [p for p in linear_paths if p in chosen]
+
+
+def peft_hf_name(module_path: str, matrix: str) -> str:
+    """PEFT's saved name of an adapter matrix on the HF module at `module_path` (`model.layers.0.self_attn.q_proj`)."""
+    return f"base_model.model.{module_path}.lora_{matrix}.weight"

@@ -95,3 +95,43 @@ def test_adapter_refit_errors_name_the_key(tmp_path, models, overrides, match):
     msg = str(e.value).split(": ", 1)[1] if str(e.value).startswith(str(tmp_path)) else str(e.value)
     assert "\n" not in str(e.value)
     assert __import__("re").search(match, msg), str(e.value)
+
+
+def _peft_targets(kind: str, target_modules) -> list[str]:
+    """The module paths under decoder layer 0 that PEFT itself puts adapters on (the independent reference)."""
+    from peft import LoraConfig as PeftLora, get_peft_model
+
+    from megatron_rl.models.tiny import make_tiny_hf_model
+
+    model = get_peft_model(make_tiny_hf_model(kind), PeftLora(r=2, target_modules=target_modules))
+    head = "base_model.model.model.layers.0."
+    return [n[len(head):-len(".lora_A")] for n, _ in model.named_modules()
+            if n.startswith(head) and n.endswith(".lora_A")]
+
+
+@pytest.mark.parametrize("kind, target_modules", [
+    ("phi3", "all-linear"), ("phi3", ["qkv_proj"]), ("phi3", ["o_proj", "gate_up_proj"]),
+    ("gemma2", "all-linear"), ("olmo2", ["q_proj", "down_proj"]), ("qwen2", ["self_attn.v_proj", "up_proj"]),
+])
+def test_fsdp2_targets_are_the_linears_peft_adapts(kind, target_modules):
+    """The FSDP2 backend adapts transformers' modules as they are: its selection is PEFT's, also for the fused
+    projections (Phi-3's qkv_proj) that the megatron backend's mapping does not know."""
+    from megatron_rl.models.hf_layers import decoder_layers, linear_paths
+    from megatron_rl.models.lora_targets import select_hf_linears
+    from megatron_rl.models.tiny import make_tiny_hf_model
+
+    paths = linear_paths(decoder_layers(make_tiny_hf_model(kind)))
+    assert sorted(select_hf_linears(target_modules, paths, moe=False)) == sorted(_peft_targets(kind, target_modules))
+
+
+def test_fsdp2_lora_targets_are_checked_against_the_model_before_start(tmp_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("unmapped")
+    phi3 = write_tiny_hf_model(root / "phi3", "phi3")
+    moe = write_tiny_hf_model(root / "qwen3_moe", "qwen3_moe")
+    cfg = _load_refit(tmp_path, phi3, ["policy.backend=fsdp2", "policy.lora.target_modules=[qkv_proj]"])
+    assert cfg.policy.lora.target_modules == ["qkv_proj"]
+    with pytest.raises(ConfigError, match=r"policy\.lora\.target_modules: 'q_proj' is no linear layer .*qkv_proj"):
+        _load_refit(tmp_path, phi3, ["policy.backend=fsdp2", "policy.lora.target_modules=[q_proj]"])
+    with pytest.raises(ConfigError, match=r"'gate_proj' is no linear layer .*experts and routers take no adapters"):
+        _load_refit(tmp_path, moe, ["policy.backend=fsdp2", "policy.lora.target_modules=[q_proj, gate_proj]"])
+    _load_refit(tmp_path, moe, ["policy.backend=fsdp2", "policy.lora.rank=4"])  # all-linear: the attention
