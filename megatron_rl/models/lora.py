@@ -243,13 +243,18 @@ def merged_hf_tensors(adapters, items: Iterator[tuple[str, torch.Tensor]]) -> It
     (the refit and the merged export stream these). Gathers the (small) adapters first, then follows `items`, so
     the TP collectives of both run in the same order on every rank."""
     state = adapter_state(adapters)
-    merge = {hf_weight_name(i, t): (state[peft_name(i, t, "A")], state[peft_name(i, t, "B")], ad.scale)
-             for i, ad in adapters for t in ad.targets}
-    for name, w in items:
+    yield from merged(items, {hf_weight_name(i, t): (state[peft_name(i, t, "A")], state[peft_name(i, t, "B")],
+                                                     ad.scale) for i, ad in adapters for t in ad.targets})
+
+
+def merged(items: Iterator[tuple[str, torch.Tensor]], merge: dict[str, tuple]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`items` ((name, W, ...) tuples) with each weight named in `merge` ({name: (A, B, scale)}) replaced by
+    W + scale B A, computed in fp32 and cast to W's dtype (both backends' merged export and refit)."""
+    for name, w, *rest in items:
         if name in merge:
             a, b, scale = merge[name]
             w = (w.float() + scale * (b.float() @ a.float()).to(w.device)).to(w.dtype)
-        yield name, w
+        yield name, w, *rest
 
 
 @contextmanager

@@ -25,18 +25,27 @@ from megatron_rl.models.checkpoint import (DIST_DIR, EXTRA_STATE, FORMAT, FORMAT
 BACKEND = "fsdp2"
 
 
-def _state(model, optimizer):
+def _options(adapters: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # a LoRA run's checkpoint holds its adapters (the trainable parameters) only: the base is its HF folder
+    return StateDictOptions(ignore_frozen_params=adapters, strict=not adapters)
+
+
+def _state(model, optimizer, adapters: bool = False):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": get_model_state_dict(model, options=_options(adapters))}
     if optimizer is not None:  # a fresh AdamW gets its (zero) state here, for a load to fill
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_options(adapters))
     return state
 
 
 def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state: dict, hf_dir, dtype: torch.dtype,
-                          dp: int, tp: int = 1) -> Path:
-    """Collective over every rank: write `model`'s and `optimizer`'s shards and rank 0's extras atomically."""
+                          dp: int, tp: int = 1, adapters: dict | None = None) -> Path:
+    """Collective over every rank: write `model`'s and `optimizer`'s shards and rank 0's extras atomically.
+    adapters: a LoRA run's {"lora": policy.lora as a dict, "base": the base HF folder}: only the adapters are saved
+    (models/checkpoint.py's rule for the megatron backend)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -48,7 +57,7 @@ def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state:
         tmp = Path(tempfile.mkdtemp(prefix=ckpt_dir.name + ".tmp-", dir=ckpt_dir.parent))
     tmp = Path(_bcast(str(tmp) if tmp else None))
     try:
-        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / DIST_DIR))
+        dcp.save(_state(model, optimizer, adapters is not None), checkpoint_id=str(tmp / DIST_DIR))
         config = json.loads((Path(hf_dir) / "config.json").read_text())
         if rank == 0:
             torch.save(extra_state, tmp / EXTRA_STATE)
@@ -62,7 +71,7 @@ def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state:
                     "created": time.time(), "hf_config": config, "tokenizer_path": str(hf_dir), "model_spec": None,
                     "params_dtype": str(dtype).replace("torch.", ""),
                     "layout": {"tp": tp, "pp": 1, "ep": 1, "dp": dp, "world_size": dp * tp},
-                    "extra_sharded_keys": ["optim"] if optimizer is not None else [], "adapters": None,
+                    "extra_sharded_keys": ["optim"] if optimizer is not None else [], "adapters": adapters,
                     "files": files}
             _fsync_write(tmp / METADATA, json.dumps(meta, indent=2) + "\n")
             hf_io.publish_permissions(tmp)
@@ -92,11 +101,16 @@ def load_fsdp2_checkpoint(ckpt_dir, model, optimizer, verify: bool = True) -> di
     if meta.get("backend") != BACKEND:
         raise CheckpointError(f"{root} was written by the {meta.get('backend') or 'megatron'} backend; "
                               f"policy.backend={BACKEND} reads only its own checkpoints")
-    state = _state(model, optimizer)
+    lora = meta.get("adapters") is not None
+    if lora != any(not p.requires_grad for p in model.parameters()):
+        raise CheckpointError(f"{root} holds {'LoRA adapters' if lora else 'a full model'}, but this policy "
+                              f"{'trains every weight' if lora else 'has policy.lora set'}: set policy.lora as the "
+                              "run that wrote it did")
+    state = _state(model, optimizer, lora)
     dcp.load(state, checkpoint_id=str(root / DIST_DIR))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_options(lora))
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=_options(lora))
     if not (root / EXTRA_STATE).is_file():
         return None
     try:

@@ -123,8 +123,9 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """Sum over the TP group forward, identity backward (Megatron's "g"): per-rank partial values of a vocab-split
-    quantity (top-k distillation's logits at given ids, policy/topk.py) whose total every rank then uses alike."""
+    """Sum over the TP group forward, identity backward (Megatron's "g"): per-rank partial values whose total every
+    rank then uses alike: a vocab-split quantity (top-k distillation's logits at given ids, policy/topk.py), or a
+    LoRA A split by input columns (A_r x_r at width r, policy/fsdp2_lora.py)."""
 
     @staticmethod
     def forward(ctx, x, group):

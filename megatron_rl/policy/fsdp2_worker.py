@@ -47,9 +47,10 @@ from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.models.checkpoint import FSDP2_PREFIX
+from megatron_rl.models.hf_layers import decoder_layers
 from megatron_rl.models.hf_masks import hf_attention_mask, layer_mask_kinds
 from megatron_rl.platform import get_platform
-from megatron_rl.policy import batching, packing
+from megatron_rl.policy import batching, fsdp2_lora, packing
 from megatron_rl.policy.forward_pass import join_process_group
 from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, parallelize, vocab_slice
 from megatron_rl.policy.grad_ops import build_scheduler
@@ -109,16 +110,6 @@ class _Scorer(nn.Module):
                                     tp_group=self.tp_group)
 
 
-def decoder_layers(lm: nn.Module) -> nn.ModuleList:
-    """The HF model's decoder blocks (one FSDP unit each)."""
-    dec = lm.get_decoder()
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(dec, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"{type(lm).__name__}: no decoder layer list found (looked for layers, h, blocks)")
-
-
 class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
     def __init__(self, rank: int, world_size: int, log_path: str | None = None, threads: int | None = None,
                  env: dict | None = None, policy_cfg: PolicyConfig | None = None, max_steps: int = 1):
@@ -176,6 +167,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             check_tp(lm, decoder_layers(lm), self.tp_size)
             parallelize(lm, decoder_layers(lm), self.mesh["tp"])
             tp_group = self.mesh.get_group("tp")
+        # LoRA adapters after TP (they follow its split), before FSDP (which then gives the frozen base no gradient)
+        self.lora = None if cfg.lora is None else \
+            fsdp2_lora.install(lm, decoder_layers(lm), cfg.lora, cfg.seed, self.mesh["tp"] if self.tp_size > 1 else None)
         kw = dict(mesh=self.mesh["dp"], mp_policy=mp, reshard_after_forward=True)
         for layer in decoder_layers(lm):
             fully_shard(layer, **kw)
@@ -185,17 +179,21 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         self._build_optimizer()
-        # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them
+        # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them;
+        # with LoRA the base itself, adapters off (no copy)
         self.ref_weights = self._weights_copy()
-        n = sum(p.numel() for p in self.model.parameters())
         return {"rank": self.rank, "tp_rank": self.tp_rank, "dp_rank": self.dp_rank, "pp_rank": 0,
                 "dp_size": self.dp_size,
-                "num_params": n, "trainable_params": n, "backend": "fsdp2"}
+                "num_params": sum(p.numel() for p in self.model.parameters()),  # DTensors: the global sizes
+                "trainable_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+                "backend": "fsdp2"}
 
     def _build_optimizer(self) -> None:
         o, s = self.cfg.optimizer, self.cfg.scheduler
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():  # megatron's default grouping: no decay on biases, 1-D weights
+            if not p.requires_grad:  # a LoRA run's frozen base
+                continue
             (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
         groups = [{"params": ps, "wd_mult": m, "lr_mult": 1.0} for ps, m in ((decay, 1.0), (no_decay, 0.0)) if ps]
         # foreach groups tensors into one kernel, which DTensors on different meshes (dp, dp x tp) cannot share
@@ -206,7 +204,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
     def _local(self, p: torch.Tensor) -> torch.Tensor:
         return p.to_local() if hasattr(p, "to_local") else p
 
-    def _weights_copy(self) -> dict[str, torch.Tensor]:
+    def _weights_copy(self) -> dict[str, torch.Tensor] | None:
+        if self.lora is not None:
+            return None
         return {n: self._local(p).detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
     def set_threads(self, n: int) -> None:
@@ -270,6 +270,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
 
     def reference_logprobs(self, batch: RolloutBatch, temperature: float = 1.0):
         self._require_resident("compute reference logprobs")
+        if self.lora is not None:
+            with fsdp2_lora.disabled(self.lora):
+                return self.logprobs(batch, temperature)
         current = self._swap_weights(self.ref_weights)
         try:
             return self.logprobs(batch, temperature)
@@ -330,22 +333,41 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         return 0, 1, None
 
     def export_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None):
-        """HF-named full tensors in buckets, gathered from the shards (collective over DP: every rank iterates)."""
+        """HF-named full tensors in buckets, gathered from the shards (collective over DP: every rank iterates); with
+        LoRA the merged weights, W + (alpha / r) B A (the adapters gathered first, on every rank)."""
+        from megatron_rl.models.lora import merged
+
         self._require_resident("export weights", weights_enough=True)
         dtype = dtype or self.dtype
+        items = self._full_weights()
+        if self.lora is not None:
+            items = merged(items, fsdp2_lora.merges(self.lora, fsdp2_lora.adapter_state(self.model, ROOT)))
         bucket, size = [], 0
-        for name, p in self.model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            t = full.detach().to(dtype)
-            if t.data_ptr() == self._local(p).data_ptr():  # a one-rank gather is the shard itself: a snapshot, so a
-                t = t.clone()  # consumer keeping it (hf_state_dict, a bucket in flight) never sees a later step
-            bucket.append((name[len(ROOT):] if name.startswith(ROOT) else name, t))
+        for name, w, local in items:
+            t = w.detach().to(dtype)
+            if t.data_ptr() == local.data_ptr():  # a one-rank gather is the shard itself: a snapshot, so a consumer
+                t = t.clone()  # keeping it (hf_state_dict, a bucket in flight) never sees a later step
+            bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
         if bucket:
             yield bucket
+
+    def _full_weights(self):
+        """(HF name, full tensor, this rank's shard) of every model weight but the adapters."""
+        for name, p in self.model.named_parameters():
+            if fsdp2_lora.ADAPTER_KEY not in name:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                yield (name[len(ROOT):] if name.startswith(ROOT) else name), full, self._local(p)
+
+    # LoRA's PEFT-named adapters for `WeightsOut.adapter_update` (save_adapter, the adapter-only refit)
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        return fsdp2_lora.adapter_state(self.model, ROOT)
+
+    def _adapter_target_names(self) -> list[str]:
+        return fsdp2_lora.target_names(self.lora)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save(self, path: str, extra: dict | None = None) -> str:
@@ -358,7 +380,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         try:
             return str(save_fsdp2_checkpoint(path, self.model, self.optimizer, step=self.step,
                                              extra_state=extra_state, hf_dir=self.model_dir,
-                                             dtype=self.dtype, dp=self.dp_size, tp=self.tp_size))
+                                             dtype=self.dtype, dp=self.dp_size, tp=self.tp_size,
+                                             adapters=None if self.lora is None else
+                                             {"lora": vars(self.cfg.lora), "base": str(self.model_dir)}))
         finally:
             get_platform().trim_host_heap()
 

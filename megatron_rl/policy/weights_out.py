@@ -191,20 +191,29 @@ class WeightsOut:
         Collective over all ranks: each stage's adapters reach rank 0."""
         import torch.distributed as dist
 
-        from megatron_rl.models.lora import adapter_state
         from megatron_rl.models.peft_folder import peft_config
 
         if getattr(self, "lora", None) is None:
             raise ValueError("save_adapter() / adapter_update() need policy.lora (this policy trains every weight)")
         self._require_resident("export the adapters", weights_enough=True)
-        state = adapter_state(self.lora)  # collective over TP
+        state = self._adapter_state()
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, state if self._is_exporter() else None)  # small: rank-r matrices only
         if self.rank != 0:
             return None
         merged = {k: v for part in parts if part for k, v in part.items()}
-        names = sorted({t.hf for _, ad in self.lora for t in ad.targets})
-        return {"tensors": merged, "config": peft_config(self.cfg.lora, names, str(self.model_dir))}
+        return {"tensors": merged, "config": peft_config(self.cfg.lora, self._adapter_target_names(),
+                                                         str(self.model_dir))}
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """This stage's adapters, full, PEFT-named, on the CPU (collective over TP); the FSDP2 worker has its own."""
+        from megatron_rl.models.lora import adapter_state
+
+        return adapter_state(self.lora)
+
+    def _adapter_target_names(self) -> list[str]:
+        """adapter_config.json's target_modules."""
+        return sorted({t.hf for _, ad in self.lora for t in ad.targets})
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
         """All of this stage's HF tensors (tests and small models); output of the TP-rank-0, DP-rank-0 ranks."""

@@ -59,7 +59,8 @@ ALLOWED = {
     ("megatron_rl/policy/fsdp2_tp.py", "_CopyToTP.backward", "all_reduce"):
         _MODEL_DEVICE + " (dL/dhidden of the FSDP2 model's vocab-split logits)",
     ("megatron_rl/policy/fsdp2_tp.py", "_ReduceFromTP.forward", "all_reduce"):
-        _MODEL_DEVICE + " (an FSDP2 student's top-k distillation logits at the teacher's ids, each TP rank's partial)",
+        _MODEL_DEVICE + " (an FSDP2 student's top-k distillation logits at the teacher's ids, or a row-parallel LoRA "
+                        "adapter's A x: each TP rank's partial)",
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }
