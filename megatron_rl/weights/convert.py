@@ -272,7 +272,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
             from megatron_rl.weights.convert_fsdp2 import fsdp2_export_part
 
             ranks = [fsdp2_export_part(ckpt, meta["hf_config"], tmp, resolve_dtype(out_dtype),
-                                       int(max_shard_bytes))] if _is_coordinator() else []
+                                       int(max_shard_bytes), lora, peft)] if _is_coordinator() else []
         else:
             ranks = _launch(_m2h_body, tp * pp * ep,
                             (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes), peft))
@@ -283,7 +283,9 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
             from megatron_rl.models.peft_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_peft_folder
 
             state = {k: v for r in ranks if r.get("adapters") for k, v in r["adapters"].items()}
-            names = [t.hf for t in resolve_targets(lora["lora"]["target_modules"], meta["hf_config"])]
+            # FSDP2 adapts transformers' modules as they are: the names come from the checkpoint's adapters
+            names = ranks[0]["target_names"] if fsdp2 else \
+                [t.hf for t in resolve_targets(lora["lora"]["target_modules"], meta["hf_config"])]
             write_peft_folder(tmp, state, LoraConfig(**lora["lora"]), names, lora["base"])
             files = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
             publish_permissions(Path(tmp))

@@ -6,6 +6,10 @@ the HF names under `FSDP2_PREFIX`. One process reads every tensor in full, whate
 reassembles shards without a process group), into a model transformers builds from the checkpoint's config (on the
 meta device, then filled: no random initialisation); `disk_state_dict` then gives the on-disk names (MoE experts
 split, a tied lm_head dropped). The Adam state is not read.
+
+A LoRA checkpoint (metadata `adapters`, policy/fsdp2_lora.py) holds the adapters only, as `<module path>.lora.A` /
+`.lora.B`: the base comes from its HF folder (`adapters["base"]`) and each adapted weight is exported merged,
+W + (alpha / r) B A, or, with --peft, the adapters in PEFT's names.
 """
 from __future__ import annotations
 
@@ -18,11 +22,51 @@ from megatron_rl.models.checkpoint import DIST_DIR, FSDP2_PREFIX, CheckpointErro
 from megatron_rl.models.hf_io import disk_state_dict
 
 
-def fsdp2_hf_state(ckpt: Path, hf_config: dict) -> dict[str, torch.Tensor]:
-    """{HF on-disk name: full fp32 tensor} of an FSDP2 checkpoint's model."""
+ADAPTER_KEY = ".lora."  # policy/fsdp2_lora.py's parameter names (not imported: this tool needs no worker code)
+
+
+def fsdp2_adapters(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{adapted module path (`model.layers.0.self_attn.q_proj`): {"A": [r, in], "B": [out, r]}} of a LoRA checkpoint,
+    full fp32 tensors whatever sharding wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(ckpt / DIST_DIR)).read_metadata().state_dict_metadata
+    head = "model." + FSDP2_PREFIX
+    keys = [k for k in meta if k.startswith(head) and ADAPTER_KEY in k]
+    if not keys:
+        raise CheckpointError(f"{ckpt / DIST_DIR}: a LoRA checkpoint (metadata.json's adapters) with no adapter tensor")
+    state = {k[len("model."):]: torch.zeros(tuple(meta[k].size), dtype=torch.float32) for k in keys}
+    dcp.load({"model": state}, checkpoint_id=str(ckpt / DIST_DIR))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in state.items():
+        path, matrix = k[len(FSDP2_PREFIX):].rsplit(ADAPTER_KEY, 1)
+        out.setdefault(path, {})[matrix] = v
+    return out
+
+
+def _merged_base(adapters: dict, lora: dict) -> dict[str, torch.Tensor]:
+    """lora: metadata.json's `adapters` ({"lora": policy.lora, "base": its HF folder}). The base HF model with every adapted weight replaced by W + (alpha / r) B A (fp32), in on-disk names."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(lora["base"], dtype=torch.float32)
+    scale = float(lora["lora"]["alpha"]) / int(lora["lora"]["rank"])
+    with torch.no_grad():
+        for path, ab in adapters.items():
+            w = model.get_submodule(path).weight
+            w.add_(scale * (ab["B"] @ ab["A"]))
+    return disk_state_dict(model)
+
+
+def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None) -> dict[str, torch.Tensor]:
+    """{HF on-disk name: full fp32 tensor} of an FSDP2 checkpoint's model (a LoRA one's, `lora` its metadata
+    `adapters`, merged onto its base)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if lora is not None:
+        return _merged_base(fsdp2_adapters(ckpt), lora)
 
     cfg = dict(hf_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -41,13 +85,21 @@ def fsdp2_hf_state(ckpt: Path, hf_config: dict) -> dict[str, torch.Tensor]:
     return disk_state_dict(model)
 
 
-def fsdp2_export_part(ckpt: Path, hf_config: dict, tmp: str, out_dtype: torch.dtype, max_shard_bytes: int) -> dict:
+def fsdp2_export_part(ckpt: Path, hf_config: dict, tmp: str, out_dtype: torch.dtype, max_shard_bytes: int,
+                      lora: dict | None = None, peft: bool = False) -> dict:
     """Write the checkpoint's weights as safetensors parts into `tmp`: the result record of one exporting rank, in
-    the megatron path's shape (weights/convert.py finishes the folder from it)."""
+    the megatron path's shape (weights/convert.py finishes the folder from it). peft: the record carries the
+    adapters in PEFT's names and their module names instead."""
     from megatron_rl.models.hf_io import write_safetensors_parts
+    from megatron_rl.models.lora_targets import peft_hf_name
 
     t0 = time.perf_counter()
-    state = fsdp2_hf_state(ckpt, hf_config)
+    if peft:
+        adapters = fsdp2_adapters(ckpt)
+        return {"rank": 0, "pp_rank": 0, "parts": [], "load_s": time.perf_counter() - t0, "write_s": 0.0,
+                "adapters": {peft_hf_name(p, m): t for p, ab in adapters.items() for m, t in ab.items()},
+                "target_names": sorted({p.rsplit(".", 1)[-1] for p in adapters})}
+    state = fsdp2_hf_state(ckpt, hf_config, lora)
     t1 = time.perf_counter()
     parts = write_safetensors_parts(((k, v.to(out_dtype)) for k, v in state.items()), Path(tmp), "part-pp0000",
                                     max_shard_bytes)
