@@ -1,5 +1,7 @@
-"""Rank bodies for test_lora.py: LoRA on the Megatron policy worker at TP=2, PP=2 and DP=2 against HF transformers
-+ PEFT's LoRA with the same A/B (independent of megatron and of megatron_rl/models/lora.py)."""
+"""Rank bodies for test_lora.py: LoRA on both policy backends (megatron at TP=2, PP=2 and DP=2; FSDP2 at DP=2 and
+TP=2) against HF transformers + PEFT's LoRA with the same A/B (independent of megatron, of megatron_rl/models/lora.py
+and of policy/fsdp2_lora.py). One loop runs every layout; `_Megatron` / `_FSDP2` say where each backend keeps what
+the checks read."""
 from __future__ import annotations
 
 import json
@@ -95,19 +97,109 @@ LAYOUTS = {
     "pp2_subset_unfused": dict(targets=SUBSET, pp=2, fused_lm_head=False),
     "dp2_varlen_recompute": dict(targets=SUBSET, packing="varlen", activation_recompute=True),
     "tp2_plain_opt": dict(targets=ALL, tp=2, distributed=False),
+    # the FSDP2 backend (policy/fsdp2_lora.py: adapters on transformers' own linears) against the same PEFT run
+    "fsdp2_dp2_varlen_recompute": dict(targets=ALL, backend="fsdp2", packing="varlen", activation_recompute=True),
+    "fsdp2_tp2": dict(targets=ALL, backend="fsdp2", tp=2),
+    "fsdp2_tp2_subset": dict(targets=SUBSET, backend="fsdp2", tp=2),
 }
-PEFT_EXPORTS = ("tp2_subset", "pp2")
-RESUMED = ("tp2", "pp2_subset_unfused")  # saved after the step, resumed into a fresh worker  # written as PEFT folders after the step
-# megatron mixed precision (bf16 compute, fp32 main adapters and Adam) beside the fp32 PEFT reference
+# written as PEFT folders after the step
+PEFT_EXPORTS = ("tp2_subset", "pp2", "fsdp2_tp2_subset")
+RESUMED = ("tp2", "pp2_subset_unfused", "fsdp2_tp2", "fsdp2_dp2_varlen_recompute")  # saved after the step, resumed fresh
+# mixed precision (bf16 compute, fp32 main adapters and Adam) beside the fp32 PEFT reference
 BF16_LAYOUTS = {"tp2_bf16": dict(targets=ALL, tp=2, precision="bf16"),
-                "pp2_bf16": dict(targets=SUBSET, pp=2, precision="bf16")}
+                "pp2_bf16": dict(targets=SUBSET, pp=2, precision="bf16"),
+                "fsdp2_dp2_bf16": dict(targets=SUBSET, backend="fsdp2", precision="bf16")}
+
+
+class _Megatron:
+    """What the checks read from a megatron worker (models/lora.py's adapters, megatron's optimizer)."""
+
+    def worker(self, rank, world_size, cfg):
+        from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+        return MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
+
+    def params(self, w):
+        """(name, this rank's tensor) of every parameter; adapters have ".lora." in their names."""
+        return [(n, p) for n, p in w.gpt.named_parameters()]
+
+    def counted(self, w):
+        """The parameters as `setup` counts them: per rank (TP shards) on megatron, DTensors' global sizes on FSDP2."""
+        return self.params(w)
+
+    def load_start(self, w, start, targets):
+        from megatron_rl.models.lora import load_adapter_state
+        from megatron_rl.models.lora_targets import TARGETS
+
+        names = list(TARGETS) if targets == ALL else targets
+        load_adapter_state(w.lora, {k: v for k, v in start.items() if any(f".{t}." in k for t in names)})
+        w.optimizer.reload_model_params()  # the optimizer's copies follow the loaded adapters
+
+    def adapters(self, w, grads=False):
+        from megatron_rl.models.lora import adapter_state
+
+        return _merged_dicts(_gather_obj(adapter_state(w.lora, grads=grads)))
+
+    def watch_step(self, w, seen):
+        pass  # megatron keeps the gradient buffers after the step: `adapters(grads=True)` reads them then
+
+    def opt_numel(self, w):
+        from megatron_rl.policy.grad_ops import torch_optimizers
+
+        return sum(p.numel() for o in torch_optimizers(w.optimizer) for g in o.param_groups for p in g["params"])
+
+    def no_base_grad_buffer(self, w, seen):
+        return all(getattr(p, "main_grad", None) is None for n, p in self.params(w) if ".lora." not in n)
+
+
+class _FSDP2(_Megatron):
+    """The same reads from the FSDP2 worker: DTensor shards, torch's AdamW, gradients dropped after the step."""
+
+    def worker(self, rank, world_size, cfg):
+        from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+
+        return FSDP2PolicyWorker(rank, world_size, policy_cfg=cfg, max_steps=10)
+
+    def params(self, w):
+        return [(n, p.to_local() if hasattr(p, "to_local") else p) for n, p in w.model.named_parameters()]
+
+    def counted(self, w):
+        return list(w.model.named_parameters())
+
+    def load_start(self, w, start, targets):
+        from megatron_rl.policy import fsdp2_lora
+        from megatron_rl.policy.fsdp2_worker import ROOT
+
+        fsdp2_lora.load_adapter_state(w.model, ROOT, start)  # AdamW holds the parameters themselves: no reload
+
+    def adapters(self, w, grads=False):
+        from megatron_rl.policy import fsdp2_lora
+        from megatron_rl.policy.fsdp2_worker import ROOT
+
+        if grads:  # read just before the step (`watch_step`): FSDP2's worker frees them after it
+            return w._seen_grads
+        return fsdp2_lora.adapter_state(w.model, ROOT)
+
+    def watch_step(self, w, seen):
+        """Just before the optimizer steps: the adapters' gradients (collective; every rank steps) and whether the
+        base has any."""
+        from megatron_rl.policy import fsdp2_lora
+        from megatron_rl.policy.fsdp2_worker import ROOT
+
+        def pre(opt, args, kwargs):
+            w._seen_grads = fsdp2_lora.adapter_state(w.model, ROOT, grads=True)
+            seen["base_grads"] = [n for n, p in w.model.named_parameters() if ".lora." not in n and p.grad is not None]
+
+        w.optimizer.register_step_pre_hook(pre)
+
+    def opt_numel(self, w):
+        return sum(p.numel() for g in w.optimizer.param_groups for p in g["params"])  # DTensors: global sizes
+
+    def no_base_grad_buffer(self, w, seen):
+        return seen.get("base_grads") == []
 
 
 def lora_suite(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict:
-    from megatron_rl.policy.grad_ops import torch_optimizers
-    from megatron_rl.models.lora import adapter_state, load_adapter_state
-    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
-
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
     batch = make_batch(vocab)
     start = adapter_start(model_dir)
@@ -121,33 +213,31 @@ def lora_suite(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict
     for name, kw in {**LAYOUTS, **BF16_LAYOUTS}.items():
         kw = dict(kw)
         targets = kw.pop("targets")
-        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, targets, **kw))
+        be = _FSDP2() if kw.get("backend") == "fsdp2" else _Megatron()
+        w = be.worker(rank, world_size, _cfg(model_dir, targets, **kw))
         info = w.setup()
-        mine = {k for k in start if any(f".{t}." in k for t in _hf_names(targets))}
-        load_adapter_state(w.lora, {k: v for k, v in start.items() if k in mine})
-        w.optimizer.reload_model_params()  # the optimizer's copies follow the loaded adapters
-        base = {n: p.detach().clone() for n, p in w.gpt.named_parameters() if ".lora." not in n}
-        before = _merged_dicts(_gather_obj(adapter_state(w.lora)))
-        lora_numel = sum(p.numel() for n, p in w.gpt.named_parameters() if ".lora." in n)
-        opt_numel = sum(p.numel() for o in torch_optimizers(w.optimizer) for g in o.param_groups for p in g["params"])
+        be.load_start(w, start, targets)
+        base = {n: p.detach().clone() for n, p in be.params(w) if ".lora." not in n}
+        before = be.adapters(w)
+        lora_numel = sum(p.numel() for n, p in be.counted(w) if ".lora." in n)
         checks = {
-            "frozen": all(not p.requires_grad for n, p in w.gpt.named_parameters() if ".lora." not in n),
-            "no_base_grad_buffer": all(getattr(p, "main_grad", None) is None
-                                       for n, p in w.gpt.named_parameters() if ".lora." not in n),
+            "frozen": all(not p.requires_grad for n, p in be.params(w) if ".lora." not in n),
             # per rank: the distributed optimizer shards the adapters over DP, else it holds all of them
-            "opt_numel": opt_numel, "lora_numel": lora_numel, "dp": w.dp_size,
+            "opt_numel": be.opt_numel(w), "lora_numel": lora_numel, "dp": w.dp_size,
             "ref_weights": w.ref_weights, "trainable": info["trainable_params"], "params": info["num_params"],
         }
+        seen: dict = {}
+        be.watch_step(w, seen)
         lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))
         out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
-        grads = _merged_dicts(_gather_obj(adapter_state(w.lora, grads=True)))
-        after = _merged_dicts(_gather_obj(adapter_state(w.lora)))
+        checks["no_base_grad_buffer"] = be.no_base_grad_buffer(w, seen)
+        grads = be.adapters(w, grads=True)
+        after = be.adapters(w)
         ref_lp = _merge(_gather_obj(w.reference_logprobs(batch, temperature=TEMP)))  # after the step: base only
         merged = _merged_dicts(_gather_obj(w.hf_state_dict()))
-        checks["base_unchanged"] = all(torch.equal(p, base[n]) for n, p in w.gpt.named_parameters()
-                                       if ".lora." not in n)
+        checks["base_unchanged"] = all(torch.equal(p, base[n]) for n, p in be.params(w) if ".lora." not in n)
         if name in RESUMED:
-            res[f"{name}_resume"] = _resume(w, rank, world_size, model_dir, targets, kw, f"{out_dir}/ckpt_{name}")
+            res[f"{name}_resume"] = _resume(be, w, rank, world_size, model_dir, targets, kw, f"{out_dir}/ckpt_{name}")
         peft_dir = w.save_adapter(f"{out_dir}/{name}") if name in PEFT_EXPORTS else None
         res[name] = {"ref": "all" if targets == ALL else "subset", "checks": _gather_obj(checks),
                      "peft_dir": peft_dir,
@@ -157,29 +247,21 @@ def lora_suite(rank: int, world_size: int, model_dir: str, out_dir: str) -> dict
     return res
 
 
-def _hf_names(targets):
-    from megatron_rl.models.lora_targets import TARGETS
-
-    return list(TARGETS) if targets == ALL else targets
-
-
-def _resume(w, rank, world_size, model_dir, targets, kw, ckpt):
+def _resume(be, w, rank, world_size, model_dir, targets, kw, ckpt):
     """save; a second step on w vs a fresh worker that loads the checkpoint and takes the same step."""
     from megatron_rl.models.checkpoint import read_metadata
-    from megatron_rl.models.lora import adapter_state
-    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
     b2 = make_batch(vocab, seed=2)
     w.save(ckpt, extra={"data_position": 3})
     meta = read_metadata(ckpt)
     m_a = _gather_obj(w.train(b2, pg_loss, temperature=TEMP))
-    a = _merged_dicts(_gather_obj(adapter_state(w.lora)))
-    w2 = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, targets, **kw))
+    a = be.adapters(w)
+    w2 = be.worker(rank, world_size, _cfg(model_dir, targets, **kw))
     w2.setup()
     extra = w2.load(ckpt)
     m_b = _gather_obj(w2.train(b2, pg_loss, temperature=TEMP))
-    b = _merged_dicts(_gather_obj(adapter_state(w2.lora)))
+    b = be.adapters(w2)
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = sorted(FileSystemReader(f"{ckpt}/dist").read_metadata().state_dict_metadata)

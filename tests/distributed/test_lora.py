@@ -1,7 +1,8 @@
-"""LoRA on the Megatron policy worker (models/lora.py) against HF transformers + PEFT with the same A/B: logprobs,
-loss, adapter gradients, the adapters after one Adam step and the merged export, at TP=2 (every target and a subset
-that splits the fused qkv / fc1), PP=2, DP=2 with varlen packing and recompute, and without the distributed
-optimizer; the base stays bit-identical and has no gradient buffers or optimizer state; the KL reference (adapters
+"""LoRA on both policy backends (megatron: models/lora.py; FSDP2: policy/fsdp2_lora.py) against HF transformers +
+PEFT with the same A/B: logprobs, loss, adapter gradients, the adapters after one Adam step and the merged export; on
+megatron at TP=2 (every target and a subset that splits the fused qkv / fc1), PP=2, DP=2 with varlen packing and
+recompute, and without the distributed optimizer; on FSDP2 at DP=2 (varlen, recompute) and TP=2 (every target and
+the subset); the base stays bit-identical and has no gradient buffers or optimizer state; the KL reference (adapters
 off) is the base model's logprobs. One 2-process launch for all of it."""
 import pytest
 import torch
@@ -50,7 +51,9 @@ def test_step_equals_peft_adamw(results, layout):
     # at TP=2 (2026-12-02, Intel Xeon); rtol 5e-5: on AMD EPYC one of k_proj's 256 lora_B entries (0.26) came out
     # 7.9e-6 (3.0e-5 relative) apart (2026-12-02); a TP layout error (a reduction missed or doubled) moves a gradient
     # by its own size
-    for k, g in ref["grads"].items() if results[layout]["checks"][0]["dp"] == 1 else ():
+    # (FSDP2's gradients are DTensors: gathered whole at any DP)
+    full = results[layout]["checks"][0]["dp"] == 1 or layout.startswith("fsdp2")
+    for k, g in ref["grads"].items() if full else ():
         torch.testing.assert_close(r["grads"][k], g, atol=5e-6, rtol=5e-5, msg=lambda s: f"{layout} grad {k}: {s}")
     for k, v in ref["after"].items():
         torch.testing.assert_close(r["after"][k], v, atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
@@ -146,30 +149,40 @@ def test_adapter_checkpoint_resumes_exactly(results, layout):
     assert r["adapters"]["base"] == results["model_dir"] and r["adapters"]["lora"]["rank"] == lora_bodies.RANK
     # no base weight in it: every model tensor is an adapter (the optimizer's state, flattened per DDP bucket by
     # the dp_reshardable layout, covers only the adapters: the base has no buckets)
-    model = [k for k in r["keys"] if not k.startswith("optimizer.") and not k.endswith("_extra_state")]
+    # (the FSDP2 checkpoint's optimizer keys start "optim.": torch.distributed.checkpoint's state dict)
+    optim = ("optim.", "optimizer.")
+    model = [k for k in r["keys"] if not k.startswith(optim) and not k.endswith("_extra_state")]
     assert model and all(".lora." in k for k in model), [k for k in model if ".lora." not in k]
-    assert any(k.startswith("optimizer.") for k in r["keys"])
+    assert any(k.startswith(optim) for k in r["keys"])
     assert r["m_a"] == r["m_b"]
     assert set(r["a"]) == set(r["b"])
     for k in r["a"]:
         assert torch.equal(r["a"][k], r["b"][k]), k
 
 
-def test_convert_megatron_to_hf_merges_an_adapter_checkpoint_or_writes_its_peft_folder(results, tmp_path):
-    """`megatron-rl convert megatron-to-hf` on the TP=2 adapter checkpoint (saved after the first step): the merged
-    HF weights equal the worker's merged export at that step; --peft writes the adapters in PEFT's names."""
+@pytest.mark.parametrize("layout,args", [("tp2", ["--tp", "2"]), ("fsdp2_tp2", [])])
+def test_convert_megatron_to_hf_merges_an_adapter_checkpoint_or_writes_its_peft_folder(results, tmp_path, layout,
+                                                                                       args):
+    """`megatron-rl convert megatron-to-hf` on a TP=2 adapter checkpoint of either backend (saved after the first
+    step): the merged HF weights equal the worker's merged export at that step; --peft writes the adapters in PEFT's
+    names, and its adapter_config.json names the adapted modules."""
+    import json
+
     from safetensors.torch import load_file
 
     from megatron_rl.weights import convert
 
-    ckpt = f"{results['out_dir']}/ckpt_tp2"
-    assert convert.main(["megatron-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "merged"), "--tp", "2"]) == 0
+    ckpt = f"{results['out_dir']}/ckpt_{layout}"
+    assert convert.main(["megatron-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "merged"), *args]) == 0
     got = load_file(tmp_path / "merged" / "model.safetensors")
-    want = results["tp2"]["merged"]
+    want = results[layout]["merged"]
     assert set(got) == set(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k].float(), v.float(), atol=1e-6, rtol=1e-6, msg=lambda s: f"{k}: {s}")
     assert convert.main(["megatron-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "peft"), "--peft"]) == 0
     saved = load_file(tmp_path / "peft" / "adapter_model.safetensors")
-    assert set(saved) == set(results["tp2"]["after"])
-    assert all(torch.equal(saved[k], v) for k, v in results["tp2"]["after"].items())
+    assert set(saved) == set(results[layout]["after"])
+    assert all(torch.equal(saved[k], v) for k, v in results[layout]["after"].items())
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert sorted(cfg["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                             "v_proj"]
