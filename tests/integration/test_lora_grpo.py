@@ -24,9 +24,9 @@ def model(tiny_model_factory):
     return tiny_model_factory("grpo_tiny", seed=5, tied=True)  # test_grpo.py's model: tied embeddings
 
 
-def _steps(tmp_path_factory, model, mode: str) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"lora_{mode}")
-    r = train(out, model, *LORA_RUN, f"generation.lora_refit={mode}")
+def _steps(tmp_path_factory, model, mode: str, backend: str) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"lora_{mode}_{backend}")
+    r = train(out, model, *LORA_RUN, f"generation.lora_refit={mode}", f"policy.backend={backend}")
     steps = [x for x in records(out) if "reward_mean" in x]
     print(mode, [{k: x[k] for k in ("step", "token_mult_prob_error", "gen_kl_error", "kl", "time_refit_s")}
                  for x in steps])
@@ -34,9 +34,15 @@ def _steps(tmp_path_factory, model, mode: str) -> list[dict]:
     return steps
 
 
+@pytest.fixture(scope="module", params=["megatron", "fsdp2"])
+def backend(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def adapter_steps(tmp_path_factory, model):
-    return _steps(tmp_path_factory, model, "adapter")
+def adapter_steps(tmp_path_factory, model, backend):
+    """On either policy backend (FSDP2: adapters on transformers' own linears, policy/fsdp2_lora.py)."""
+    return _steps(tmp_path_factory, model, "adapter", backend)
 
 
 def test_adapter_refit_serves_what_the_trainer_trains(adapter_steps):
@@ -53,8 +59,8 @@ def test_adapter_refit_serves_what_the_trainer_trains(adapter_steps):
 
 
 @pytest.mark.slow
-def test_mismatch_as_small_as_the_merged_refit(adapter_steps, tmp_path_factory, model):
-    merged = _steps(tmp_path_factory, model, "merged")
+def test_mismatch_as_small_as_the_merged_refit(adapter_steps, tmp_path_factory, model, backend):
+    merged = _steps(tmp_path_factory, model, "merged", backend)
     assert [x["step"] for x in merged] == [1, 2, 3]
     for a, m in zip(adapter_steps, merged):
         # fp32 both: the mismatch sits at rounding level in either mode (measured values are printed above)
