@@ -333,8 +333,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         return 0, 1, None
 
     def export_weights(self, bucket_bytes: int = 256 << 20, dtype: torch.dtype | None = None):
-        """HF-named full tensors in buckets, gathered from the shards (collective over DP: every rank iterates); with
-        LoRA the merged weights, W + (alpha / r) B A (the adapters gathered first, on every rank)."""
+        """Full tensors under their on-disk HF names (what vLLM's loader and save_pretrained's files use) in buckets,
+        gathered from the shards (collective over DP: every rank iterates); with LoRA the merged weights,
+        W + (alpha / r) B A (the adapters gathered first, on every rank)."""
         from megatron_rl.models.lora import merged
 
         self._require_resident("export weights", weights_enough=True)
@@ -344,16 +345,27 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             items = merged(items, fsdp2_lora.merges(self.lora, fsdp2_lora.adapter_state(self.model, ROOT)))
         bucket, size = [], 0
         for name, w, local in items:
-            t = w.detach().to(dtype)
-            if t.data_ptr() == local.data_ptr():  # a one-rank gather is the shard itself: a snapshot, so a consumer
-                t = t.clone()  # keeping it (hf_state_dict, a bucket in flight) never sees a later step
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
+            for disk_name, t in self._disk_tensors(name, w.detach()):
+                t = t.to(dtype)
+                # a one-rank gather is the shard itself (and a split expert a view of it): a snapshot, so a consumer
+                # keeping it (hf_state_dict, a bucket in flight) never sees a later step
+                if t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                    t = t.clone()
+                bucket.append((disk_name, t))
+                size += t.numel() * t.element_size()
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
         if bucket:
             yield bucket
+
+    def _disk_tensors(self, name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """One in-memory tensor under its on-disk names: transformers 5 fuses an MoE layer's experts into one
+        [experts, ...] tensor in memory (`mlp.experts.gate_up_proj`) and splits it per expert when saving
+        (`mlp.experts.0.gate_proj.weight`, the names vLLM loads); every other tensor keeps its name."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return list(revert_weight_conversion(self.model.lm, {name: full}).items())
 
     def _full_weights(self):
         """(HF name, full tensor, this rank's shard) of every model weight but the adapters."""

@@ -68,7 +68,26 @@ def _step(w, batch) -> dict:
             "after": after, "ref_logprobs": ref}
 
 
-def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str, llama_dir: str):
+def moe_export(rank: int, world_size: int, moe_dir: str) -> dict | None:
+    """An MoE model's export (the refit's tensors) before training, beside the files transformers saved: experts that
+    transformers 5 fuses in memory must leave under their per-expert on-disk names, which vLLM loads."""
+    from megatron_rl.models.hf_io import HFCheckpoint
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+
+    w = FSDP2PolicyWorker(rank, world_size, policy_cfg=cfg(moe_dir, "fsdp2"), max_steps=10)
+    w.setup()
+    exported = _merged_dicts(_gather_obj(w.hf_state_dict()))
+    return {"exported": exported, "disk": dict(HFCheckpoint(moe_dir).items())} if rank == 0 else None
+
+
+def _merged_dicts(objs) -> dict:
+    out = {}
+    for d in objs:
+        out.update(d or {})
+    return out
+
+
+def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str, llama_dir: str, moe_dir: str):
     from megatron_rl.models.hf_io import HFCheckpoint
     from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
@@ -115,6 +134,7 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str, ll
     out["bf16"] = bf16_step(rank, world_size, model_dir)
     out["packed"] = packed_layouts(rank, world_size, model_dir)
     out["tp"] = tp_steps(rank, world_size, {"qwen2": model_dir, "llama": llama_dir}, f"{ckpt_dir}-tp")
+    out["moe"] = moe_export(rank, world_size, moe_dir)
     return out
 
 

@@ -16,7 +16,8 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp2")
     model_dir = str(write_tiny_hf_model(root / "qwen2", "qwen2", seed=3))
     llama_dir = str(write_tiny_hf_model(root / "llama", "llama", seed=3))
-    return run_distributed(fsdp2_bodies.backends_agree, 2, args=(model_dir, str(root / "ckpt"), llama_dir),
+    moe_dir = str(write_tiny_hf_model(root / "qwen3_moe", "qwen3_moe", seed=3))
+    return run_distributed(fsdp2_bodies.backends_agree, 2, args=(model_dir, str(root / "ckpt"), llama_dir, moe_dir),
                            timeout=900)
 
 
@@ -76,6 +77,17 @@ def test_export_before_training_is_the_hf_checkpoint(results):
     for k in hf:
         assert torch.equal(exp[k], hf[k]), k
     assert r["info"]["num_params"] == sum(v.numel() for v in hf.values())
+
+
+def test_moe_export_has_the_on_disk_per_expert_names(results):
+    """transformers 5 holds an MoE layer's experts fused ([experts, 2 x ffn, hidden]); the refit and the export send
+    them as the saved files name them, one tensor per expert and projection (vLLM's loader reads those names)."""
+    r = results[0]["moe"]
+    exp, disk = r["exported"], r["disk"]
+    assert any(".mlp.experts.3.gate_proj.weight" in k for k in disk)  # the reference really is per expert
+    assert set(exp) == set(disk)
+    for k in disk:
+        assert torch.equal(exp[k], disk[k]), k
 
 
 def test_reference_logprobs_are_the_initial_weights(results):

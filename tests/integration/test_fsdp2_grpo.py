@@ -93,6 +93,22 @@ def test_tensor_parallel_varlen_run_refits_exactly(tmp_path):
     assert meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 1
 
 
+def test_an_moe_model_refits_its_experts_by_their_on_disk_names(tmp_path):
+    """Qwen3-MoE on fsdp2: transformers 5 holds each layer's experts fused in memory, vLLM loads them per expert
+    (`mlp.experts.<e>.gate_proj.weight`); after each refit the engine's logprobs are the trainer's, which fails if an
+    expert tensor arrived under a name vLLM skips or misreads."""
+    from megatron_rl.models.tiny import write_tiny_with_tokenizer
+
+    model = write_tiny_with_tokenizer(tmp_path / "model", "qwen3_moe", seed=5)
+    out = tmp_path / "run"
+    train(out, model, "grpo.max_steps=2", "generation.max_new_tokens=24")
+    steps = [x for x in records(out) if "reward_mean" in x]
+    assert [x["step"] for x in steps] == [1, 2]
+    for x in steps:
+        assert x["grad_norm"] > 0 and not x["skipped"]
+        assert 1.0 <= x["token_mult_prob_error"] < 1.01 and x["gen_kl_error"] < 1e-7, x
+
+
 @pytest.mark.parametrize("kind,arch", [("olmo2", "Olmo2ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
                                        ("phi3", "Phi3ForCausalLM")])
 def test_an_unmapped_family_trains_refits_and_exports(kind, arch, tmp_path):
