@@ -1,8 +1,8 @@
 """Soak: many GRPO steps on a tiny model; does anything grow, leak or slow down?
 
 A child process runs the real loop (`build()` + `train_step`, checkpoints through the loop's own `_save` every
---ckpt-every steps) with Ray, the Megatron policy actor, the vLLM generator actor and the reward pool (a pseudo-reward
-scorer, so the random model gets a gradient), sampling RSS after every step. Once every process of the run has exited,
+--ckpt-every steps) with Ray, the policy actor (megatron, or FSDP2 with `--backend fsdp2`), the vLLM generator actor
+and the reward pool (a pseudo-reward scorer, so the random model gets a gradient), sampling RSS after every step. Once every process of the run has exited,
 the parent judges what was left behind. Printed:
 
 - RSS of the driver, each policy rank and the generator: median of the first --window steps after warm-up vs median of
@@ -66,7 +66,8 @@ def _temp_files(root: Path) -> tuple[list[str], list[str]]:
 
 
 def soak(steps: int = 300, ckpt_every: int = 20, warmup: int = 20, window: int = 50, out: Path | None = None,
-         model: Path | None = None, log=print, timeout_s: float = 7200.0, precision: str = "fp32") -> dict:
+         model: Path | None = None, log=print, timeout_s: float = 7200.0, precision: str = "fp32",
+         backend: str = "megatron") -> dict:
     """Run the soak in a child process (so that what is left behind is judged after every process of the run has
     exited, as after a real run) and return its figures; `out` keeps the run's files."""
     from tests.integration.faults_harness import Run, leaked_shm, shm_files
@@ -82,7 +83,8 @@ def soak(steps: int = 300, ckpt_every: int = 20, warmup: int = 20, window: int =
     figures = out / "figures.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--steps", str(steps), "--ckpt-every",
            str(ckpt_every), "--warmup", str(warmup), "--window", str(window), "--out", str(out),
-           "--json", str(figures), "--precision", precision] + (["--model", str(model)] if model else [])
+           "--json", str(figures), "--precision", precision, "--backend", backend] + \
+        (["--model", str(model)] if model else [])
     shm_before = shm_files()
     run = Run(cmd, cwd=REPO, env=env, log_dir=out, poll_s=0.2)
     try:
@@ -110,7 +112,7 @@ def soak(steps: int = 300, ckpt_every: int = 20, warmup: int = 20, window: int =
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _child(steps, ckpt_every, warmup, window, out: Path, model, precision: str) -> dict:
+def _child(steps, ckpt_every, warmup, window, out: Path, model, precision: str, backend: str = "megatron") -> dict:
     """The soak loop itself (runs in the child): the real components, RSS sampled after every step."""
     from megatron_rl.algorithms import grpo
     from megatron_rl.algorithms.loss_fn import GRPOLossFn
@@ -127,7 +129,7 @@ def _child(steps, ckpt_every, warmup, window, out: Path, model, precision: str) 
                  "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8", "grpo.val_every=0",
                  "policy.optimizer.lr=1e-3", "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
                  f"grpo.max_steps={steps}", f"checkpoint.every_steps={ckpt_every}", "logging.progress=false",
-                 f"policy.precision={precision}"]
+                 f"policy.precision={precision}", f"policy.backend={backend}"]
     cfg = load_config(REPO / "configs" / "demo_cpu.yaml", overrides)
     root = out / "run" / "checkpoints"
     t_build = time.perf_counter()
@@ -211,17 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="HF model folder (default: a generated tiny Llama)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"], help="policy.precision")
+    ap.add_argument("--backend", default="megatron", choices=["megatron", "fsdp2"], help="policy.backend")
     ap.add_argument("--smoke", action="store_true", help="3 steps: fail on leaks, processes left, no checkpoint")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.smoke:
         a.steps, a.ckpt_every, a.warmup, a.window = 3, 2, 1, 1
     if a.child:
-        res = _child(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, a.precision)
+        res = _child(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, a.precision, a.backend)
         a.json.write_text(json.dumps(res, indent=2))
         return 0
     res = soak(a.steps, a.ckpt_every, a.warmup, a.window, a.out, a.model, log=lambda s: print(s, flush=True),
-               precision=a.precision)
+               precision=a.precision, backend=a.backend)
     print(report(res))
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))

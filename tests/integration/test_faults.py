@@ -5,8 +5,8 @@ The kill rows run the real CLI in a subprocess; the victims are found by Ray's p
 (`ray::MegatronPolicyWorker.train` or `ray::FSDP2PolicyWorker.train`, `ray::GeneratorActor.generate`) among the
 descendants of *that* driver only (`faults_harness.Run`), and killed with SIGKILL while inside the named method. To
 keep the suite short the kill rows share one output directory and follow each other, each re-run being the resume
-check of the previous row (the chain runs once per policy backend, megatron and fsdp2; the in-process rows below run
-on megatron):
+check of the previous row (the chain runs once per policy backend, megatron and fsdp2, and so do the in-process
+NaN/reward row and the soak, fsdp2's with -m slow):
 
     run 1  kill -9 policy-0 inside train, after checkpoint step_1     -> fails fast, named; last checkpoint stays
     run 2  resumes from it; kill -9 the generator inside generate     -> fails fast, named
@@ -321,9 +321,12 @@ def test_truncated_or_flipped_checkpoint_files_never_load(chain, tmp_path):
 
 
 # ------------------------------------------------------------------------------- in-process: NaN and rewards
-def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model, tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model, tmp_path, monkeypatch, capfd,
+                                                                          backend):
     """Verifier hangs and raises are scored 0 and counted in metrics.jsonl while steps complete; a NaN loss and NaN
-    gradients skip the update (weights bit-identical), the run goes on, and max_nonfinite_steps in a row abort."""
+    gradients skip the update (weights bit-identical), the run goes on, and max_nonfinite_steps in a row abort, on
+    either policy backend."""
     import ray.cloudpickle
 
     from megatron_rl import build
@@ -371,7 +374,8 @@ def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model,
     monkeypatch.setattr(grpo, "train_step", step_with_faults)
     out = tmp_path / "run"
     cfg = load_config(CONFIG, train_cmd(CONFIG, model, out)[5:] + [
-        "grpo.max_steps=6", "grpo.max_nonfinite_steps=2", "checkpoint.every_steps=0", "reward.timeout_s=1"])
+        "grpo.max_steps=6", "grpo.max_nonfinite_steps=2", "checkpoint.every_steps=0", "reward.timeout_s=1",
+        f"policy.backend={backend}"])
     handler = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(grpo.NonFiniteAbort, match=r"2 consecutive steps .*grpo\.max_nonfinite_steps=2"):
@@ -451,14 +455,15 @@ def test_bad_config_value_names_key_path_before_any_work(model, tmp_path, where)
 
 
 # ------------------------------------------------------------------------------------------------- soak
-def test_short_soak_no_growth_no_leaks(model, tmp_path):
+@pytest.mark.parametrize("backend", ["megatron", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_short_soak_no_growth_no_leaks(model, tmp_path, backend):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("mrl_soak", REPO / "bench" / "soak.py")
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
     res = soak.soak(steps=40, ckpt_every=10, warmup=15, window=10, out=tmp_path / "soak", model=model,
-                    log=lambda s: None, timeout_s=900)
+                    log=lambda s: None, timeout_s=900, backend=backend)
     print(soak.report(res))
     for proc, g in res["rss"].items():
         assert g["growth_pct"] < 5.0, (proc, g)
