@@ -285,9 +285,6 @@ def _validate_backend(cfg: Config) -> None:
         if value != only:
             raise ConfigError(f"{key}={value}: policy.backend=fsdp2 runs data and tensor parallelism only (set "
                               f"{key}={only}, or policy.backend=megatron)")
-    if p.moe_aux_loss_coef > 0:
-        raise ConfigError("policy.moe_aux_loss_coef: the router's load-balancing loss is wired on the megatron backend "
-                          "only (set it to 0, or policy.backend=megatron)")
 
 
 def _validate_lora(cfg: Config) -> None:

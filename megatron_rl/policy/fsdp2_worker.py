@@ -25,6 +25,8 @@ Differences that are the backend's:
   `packing: none` rows do), and `packing: varlen` packs a micro-batch into one unpadded row (`batching.masked_row`)
   whose mask also separates the units. Positions restart per sequence (HF's rotary reads position_ids). The mask
   costs [t, t] per row, so `packing: auto` stays `none` here (the config loader; docs/fsdp2.md).
+- The MoE router's load-balancing loss (`policy.moe_aux_loss_coef` > 0): megatron's, recomputed from the router
+  logits that hooks on HF's routers record (`policy/router_aux.py`) and added to each real micro-batch's backward.
 - Optimizer: torch AdamW over the DTensor shards with megatron's parameter groups (no weight decay on biases and
   1-D weights), the global gradient norm over DTensors, clipping as megatron clips.
 - Checkpoints: torch.distributed.checkpoint in megatron-rl's checkpoint directory format (`fsdp2_checkpoint.py`).
@@ -56,6 +58,7 @@ from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, paralle
 from megatron_rl.policy.grad_ops import build_scheduler
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
+from megatron_rl.policy.router_aux import RouterLogits, aux_loss
 from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
@@ -157,6 +160,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.varlen = cfg.packing == "varlen"  # auto is none on this backend (config loader)
         self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen else None
         lm.to(self.device)
+        # hooks before FSDP wraps the layers (they stay on the router modules); None: no load-balancing loss
+        self.router = RouterLogits(lm) if cfg.moe_aux_loss_coef > 0 else None
         if cfg.activation_recompute:  # each decoder layer's activations recomputed in its backward (HF's own hook,
             # which keeps the parameter names: a wrapper module would rename every tensor the export and DCP write)
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -290,8 +295,18 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         own_lp: dict[int, torch.Tensor] = {}
         reduced = []
         self.optimizer.zero_grad(set_to_none=True)
+        routed = None
+        if self.router is not None:  # the routed positions of every real micro-batch over DP (router_aux.py's weight)
+            from megatron_rl.distributed.collectives import all_reduce_scalars
+
+            routed = all_reduce_scalars([sum(mb.tokens.numel() for mb in mbs if not mb.filler)],
+                                        self.dp_group if self.dp_size > 1 else None)[0]
         for mb in mbs:
-            lp, ent, view, extra = self._score(mb, temperature, fields)
+            if self.router is None:
+                lp, ent, view, extra = self._score(mb, temperature, fields)
+            else:
+                with self.router.recording() as router_logits:
+                    lp, ent, view, extra = self._score(mb, temperature, fields)
             if mb.filler:  # the same collectives as a real micro-batch, an exact zero gradient, nothing counted
                 ((lp.sum() + ent.sum()) * 0.0).backward()
                 continue
@@ -299,7 +314,11 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             for i, l in zip(view.indices, batching.split_rows(lp.detach(), view)):
                 own_lp[i] = l.float().cpu()
             loss, metrics = loss_fn(fields.loss_inputs(view, flat_lp, batching.flat(ent, view), extra))
-            loss.backward()
+            if routed is not None:  # the policy loss stays the metric; the aux term joins its backward only
+                coef = self.cfg.moe_aux_loss_coef * mb.tokens.numel() / routed
+                (loss + aux_loss(router_logits, self.router.topk, coef)).backward()
+            else:
+                loss.backward()
             reduced.append(reduced_metrics(loss, metrics, mb))
         metrics = sum_metrics(reduced, self.dp_group if self.dp_size > 1 else None)
         skipped, grad_norm = self._optimizer_step()

@@ -211,7 +211,6 @@ def test_policy_backend_defaults_to_megatron_and_takes_fsdp2(tmp_path):
 @pytest.mark.parametrize("override,match", [
     ("policy.pp=2", r"policy\.pp=2: policy\.backend=fsdp2 runs data and tensor parallelism only"),
     ("policy.ep=2", r"policy\.ep=2: policy\.backend=fsdp2 runs data and tensor parallelism only"),
-    ("policy.moe_aux_loss_coef=0.01", r"policy\.moe_aux_loss_coef: .*megatron backend only"),
 ])
 def test_what_fsdp2_does_not_do_yet_is_refused_naming_the_key(tmp_path, override, match):
     p = write(tmp_path, "ok.yaml", "{}\n")
