@@ -3,7 +3,8 @@
 One 2-process launch runs every check that needs the workers, in this order: the megatron step, the FSDP2 step (the
 same batch and config, only `policy.backend` differs, and a micro-batch budget that splits the FSDP2 ranks' shares
 unevenly, so filler micro-batches run), then the FSDP2 worker's lifecycle and an exact resume, a bf16 step, and a
-grouped batch in each packed layout (`packed_layouts`), and TP=2 on both backends (`tp_steps`).
+grouped batch in each packed layout (`packed_layouts`), TP=2 on both backends (`tp_steps`), and the MoE router's
+load-balancing loss on both backends (`moe_aux_steps`).
 """
 from __future__ import annotations
 
@@ -80,6 +81,31 @@ def moe_export(rank: int, world_size: int, moe_dir: str) -> dict | None:
     return {"exported": exported, "disk": dict(HFCheckpoint(moe_dir).items())} if rank == 0 else None
 
 
+MOE_AUX_COEFS = (0.0, 0.1)
+
+
+def moe_aux_steps(rank: int, world_size: int, moe_dir: str) -> dict:
+    """The same GRPO step on the tiny Qwen3-MoE on both backends at DP=2, at each of MOE_AUX_COEFS
+    (policy.moe_aux_loss_coef): {coef: {backend: metrics, HF-named weights after (rank 0), micro-batch shapes}}. The
+    26-token budget gives several micro-batches, padded rows and a filler (the router sees padding on both)."""
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+
+    batch = make_batch(json.load(open(f"{moe_dir}/config.json"))["vocab_size"])
+    out = {}
+    for coef in MOE_AUX_COEFS:
+        for backend, worker in (("megatron", MegatronPolicyWorker), ("fsdp2", FSDP2PolicyWorker)):
+            c = dataclasses.replace(cfg(moe_dir, backend, budget=26), moe_aux_loss_coef=coef)
+            w = worker(rank, world_size, policy_cfg=c, max_steps=10)
+            w.setup()
+            shapes = _gather_obj([tuple(mb.tokens.shape) + (mb.filler,) for mb in w._micro_batches(batch)])
+            res = [r for r in _gather_obj(w.train(batch, grpo_loss, temperature=TEMP)) if r]
+            after = _merged_dicts(_gather_obj(w.hf_state_dict()))
+            out.setdefault(coef, {})[backend] = {"metrics": res[0]["metrics"], "shapes": shapes,
+                                                 "after": after if rank == 0 else None}
+    return out
+
+
 def _merged_dicts(objs) -> dict:
     out = {}
     for d in objs:
@@ -135,6 +161,7 @@ def backends_agree(rank: int, world_size: int, model_dir: str, ckpt_dir: str, ll
     out["packed"] = packed_layouts(rank, world_size, model_dir)
     out["tp"] = tp_steps(rank, world_size, {"qwen2": model_dir, "llama": llama_dir}, f"{ckpt_dir}-tp")
     out["moe"] = moe_export(rank, world_size, moe_dir)
+    out["moe_aux"] = moe_aux_steps(rank, world_size, moe_dir)
     return out
 
 
