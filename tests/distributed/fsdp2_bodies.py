@@ -77,7 +77,7 @@ def moe_export(rank: int, world_size: int, moe_dir: str) -> dict | None:
 
     w = FSDP2PolicyWorker(rank, world_size, policy_cfg=cfg(moe_dir, "fsdp2"), max_steps=10)
     w.setup()
-    exported = _merged_dicts(_gather_obj(w.hf_state_dict()))
+    exported = _merge(_gather_obj(w.hf_state_dict()))
     return {"exported": exported, "disk": dict(HFCheckpoint(moe_dir).items())} if rank == 0 else None
 
 
@@ -100,16 +100,9 @@ def moe_aux_steps(rank: int, world_size: int, moe_dir: str) -> dict:
             w.setup()
             shapes = _gather_obj([tuple(mb.tokens.shape) + (mb.filler,) for mb in w._micro_batches(batch)])
             res = [r for r in _gather_obj(w.train(batch, grpo_loss, temperature=TEMP)) if r]
-            after = _merged_dicts(_gather_obj(w.hf_state_dict()))
+            after = _merge(_gather_obj(w.hf_state_dict()))
             out.setdefault(coef, {})[backend] = {"metrics": res[0]["metrics"], "shapes": shapes,
                                                  "after": after if rank == 0 else None}
-    return out
-
-
-def _merged_dicts(objs) -> dict:
-    out = {}
-    for d in objs:
-        out.update(d or {})
     return out
 
 
