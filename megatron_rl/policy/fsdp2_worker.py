@@ -172,6 +172,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             check_tp(lm, decoder_layers(lm), self.tp_size)
             parallelize(lm, decoder_layers(lm), self.mesh["tp"])
             tp_group = self.mesh.get_group("tp")
+        self._disk_as_is: set[str] = set()  # tensors whose in-memory name is their on-disk name (`_disk_tensors`)
         # LoRA adapters after TP (they follow its split), before FSDP (which then gives the frozen base no gradient)
         self.lora = None if cfg.lora is None else \
             fsdp2_lora.install(lm, decoder_layers(lm), cfg.lora, cfg.seed, self.mesh["tp"] if self.tp_size > 1 else None)
@@ -384,7 +385,12 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         (`mlp.experts.0.gate_proj.weight`, the names vLLM loads); every other tensor keeps its name."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        return list(revert_weight_conversion(self.model.lm, {name: full}).items())
+        if name in self._disk_as_is:  # the conversion costs ~1 ms a tensor even when it changes nothing
+            return [(name, full)]
+        out = list(revert_weight_conversion(self.model.lm, {name: full}).items())
+        if len(out) == 1 and out[0][0] == name and out[0][1] is full:
+            self._disk_as_is.add(name)  # every refit after the first skips it
+        return out
 
     def _full_weights(self):
         """(HF name, full tensor, this rank's shard) of every model weight but the adapters."""
