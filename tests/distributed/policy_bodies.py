@@ -38,9 +38,20 @@ def make_batch(vocab: int, n: int = 6, seed: int = 0) -> RolloutBatch:
     return RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=[rng.uniform(-1, 1) for _ in range(n)])
 
 
-def hf_reference(model_dir: str, batch: RolloutBatch, lr: float = LR):
+def decays(name: str) -> bool:
+    """Whether megatron-core decays this (HF-named) weight. Its rule (megatron/core/optimizer/__init__.py,
+    get_standard_config_overrides, applied when get_megatron_optimizer gets no config_overrides, as the worker calls
+    it): wd_mult 0 for every parameter of one dimension or named "*.bias", i.e. biases and norm weights; the
+    matrices of the linear layers, the embedding and the output layer decay. Written here from names, not shapes,
+    so that the reference does not restate the rule it checks."""
+    return not (name.endswith(".bias") or "norm" in name)
+
+
+def hf_reference(model_dir: str, batch: RolloutBatch, lr: float = LR, weight_decay: float = 0.0):
     """Response logprobs at TEMP, then one AdamW step of pg_loss with old = current (detached). With a
-    `batch.loss_mask`, only the kept tokens enter the loss and its normaliser (counted here from the masks)."""
+    `batch.loss_mask`, only the kept tokens enter the loss and its normaliser (counted here from the masks). With
+    `weight_decay`, torch's AdamW decays the weights `decays` names, in a group of their own; the rest in a group
+    without decay."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
@@ -60,17 +71,20 @@ def hf_reference(model_dir: str, batch: RolloutBatch, lr: float = LR):
         loss_sum += float(loss)
     grad_norm = torch.sqrt(sum((q.grad.double() ** 2).sum() for q in model.parameters() if q.grad is not None))
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=EPS, weight_decay=0.0)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if decays(n)], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=EPS)
     opt.step()
     return lps, loss_sum, float(grad_norm), {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True, precision="fp32", lr=LR, fused=True):
+def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True, precision="fp32", lr=LR, fused=True, wd=0.0):
     # fp32 unless asked: these layouts are compared with an fp32 HF reference to 1e-5 ("auto" is bf16 on a CPU with
     # bf16 instructions)
     return PolicyConfig(model=str(model_dir), tp=tp, pp=pp, max_tokens_per_microbatch=budget, precision=precision,
                         fused_lm_head=fused,
-                        optimizer=OptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS,
+                        optimizer=OptimizerConfig(lr=lr, weight_decay=wd, clip_grad=1.0, adam_eps=EPS,
                                                   distributed=distributed))
 
 
@@ -91,7 +105,12 @@ def _gather_obj(obj):
     return out
 
 
-def layouts_match_reference(rank: int, world_size: int, model_dir: str):
+# the weight-decay layout's decay: lr * WD = 5e-4 of each decayed weight per step, far above the 1e-5 the weights are
+# compared to, so a bias or norm decayed by mistake (or a matrix spared) shows
+WD = 0.5
+
+
+def layouts_match_reference(rank: int, world_size: int, model_dir: str, wd_model_dir: str):
     from megatron_rl.models.hf_io import HFCheckpoint
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
@@ -102,11 +121,21 @@ def layouts_match_reference(rank: int, world_size: int, model_dir: str):
     batch = make_batch(vocab)
     ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
     res = {"ref_lps": ref_lps, "ref_loss": ref_loss, "ref_norm": ref_norm, "ref_state": ref_state if rank == 0 else None}
+    # weight decay on a model whose biases are not zero (HF initialises them to 0, where decay does nothing): the
+    # same batch, compared with torch AdamW's two groups, at DP=2 (the distributed optimizer shards both groups) and
+    # PP=2 (each stage builds its own groups)
+    ref_lps_wd, ref_loss_wd, ref_norm_wd, ref_state_wd = hf_reference(wd_model_dir, batch, weight_decay=WD)
+    _, _, _, ref_state_nowd = hf_reference(wd_model_dir, batch)
+    res["wd_ref"] = {"ref_lps": ref_lps_wd, "ref_loss": ref_loss_wd, "ref_norm": ref_norm_wd,
+                     "ref_state": ref_state_wd if rank == 0 else None,
+                     "ref_state_nowd": ref_state_nowd if rank == 0 else None,
+                     "before": {k: v.clone() for k, v in HFCheckpoint(wd_model_dir).items()} if rank == 0 else None}
     layouts = {"dp2": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2_small_mb": dict(budget=24),
                "tp2_plain_opt": dict(tp=2, distributed=False), "tp2_unfused": dict(tp=2, fused=False),
-               "pp2_unfused": dict(pp=2, fused=False)}
+               "pp2_unfused": dict(pp=2, fused=False), "dp2_wd": dict(wd=WD), "pp2_wd": dict(pp=2, wd=WD)}
     for name, kw in layouts.items():
-        w = MegatronPolicyWorker(rank, world_size, policy_cfg=_cfg(model_dir, **kw))
+        w = MegatronPolicyWorker(rank, world_size,
+                                 policy_cfg=_cfg(wd_model_dir if name.endswith("_wd") else model_dir, **kw))
         w.setup()
         exported = _gather_obj(w.hf_state_dict())
         lp = _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))

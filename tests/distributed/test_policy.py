@@ -7,7 +7,7 @@ from megatron_rl.models.tiny import write_tiny_hf_model
 from megatron_rl.distributed.launch import run_distributed
 from tests.distributed import policy_bodies
 
-LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "tp2_plain_opt", "tp2_unfused", "pp2_unfused"]
+LAYOUTS = ["dp2", "tp2", "pp2", "dp2_small_mb", "tp2_plain_opt", "tp2_unfused", "pp2_unfused", "dp2_wd", "pp2_wd"]
 
 
 @pytest.fixture(scope="module")
@@ -16,13 +16,36 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def results(model_dir):
-    return run_distributed(policy_bodies.layouts_match_reference, 2, args=(model_dir,), timeout=900)
+def wd_model_dir(model_dir, tmp_path_factory):
+    """The same model with random biases: HF starts them at 0, where weight decay (multiplicative) has nothing to
+    act on, so a bias decayed by mistake would not show."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+        assert biases  # qwen2: q/k/v projections have biases
+        for p in biases:
+            p.uniform_(-0.2, 0.2)
+    out = tmp_path_factory.mktemp("tiny_wd") / "qwen2"
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def results(model_dir, wd_model_dir):
+    return run_distributed(policy_bodies.layouts_match_reference, 2, args=(model_dir, wd_model_dir), timeout=900)
+
+
+def _ref(r, layout):
+    """The reference of a layout: the weight-decay layouts (`*_wd`) have their own model and AdamW groups."""
+    return r["wd_ref"] if layout.endswith("_wd") else r
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logprobs_equal_hf(results, layout):
-    r = results[0]
+    r = {**results[0], **_ref(results[0], layout)}
     for got, want in zip(r[layout]["logprobs"], r["ref_lps"]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # the training forward's own logprobs (reused on-policy) are the same numbers
@@ -32,7 +55,7 @@ def test_logprobs_equal_hf(results, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_train_step_equals_torch_adamw(results, layout):
-    r = results[0]
+    r = {**results[0], **_ref(results[0], layout)}
     m = r[layout]["metrics"]
     assert m["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=1e-7)
     assert m["grad_norm"] == pytest.approx(r["ref_norm"], rel=1e-5)
@@ -43,9 +66,31 @@ def test_train_step_equals_torch_adamw(results, layout):
         torch.testing.assert_close(v, r["ref_state"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{layout} {k}: {s}")
 
 
+def test_weight_decay_spares_biases_and_norms_only(results):
+    """What makes the `*_wd` layouts' comparison a check of megatron's no-decay rule: in the reference, decay moved
+    every decayed tensor and left every other one exactly where the step without decay put it; and decay applied by
+    mistake to a bias or norm (or spared on a matrix) would move it by lr * WD * |w|, far beyond the tolerance of
+    test_train_step_equals_torch_adamw."""
+    wd = results[0]["wd_ref"]
+    before, with_wd, without = wd["before"], wd["ref_state"], wd["ref_state_nowd"]
+    spared = [k for k in with_wd if not policy_bodies.decays(k)]
+    assert any(k.endswith(".bias") for k in spared) and any("norm" in k for k in spared)
+    for k, v in with_wd.items():
+        if policy_bodies.decays(k):
+            # AdamW: w <- w (1 - lr WD) - lr * adam_update; the same adam_update with and without decay
+            torch.testing.assert_close(v, without[k] - policy_bodies.LR * policy_bodies.WD * before[k],
+                                       atol=1e-7, rtol=1e-6)
+        else:
+            assert torch.equal(v, without[k]), k
+        # the shift a wrong group gives, against the comparison's tolerance (atol 2e-6 + rtol 1e-5)
+        shift = policy_bodies.LR * policy_bodies.WD * before[k].abs()
+        assert float(shift.max()) > 5 * (2e-6 + 1e-5 * float(before[k].abs().max())), k
+
+
 def test_export_reproduces_hf_state_exactly(results):
-    hf = results[0]["tp2"]["hf_state"]
     for layout in LAYOUTS:
+        hf = results[0]["wd_ref" if layout.endswith("_wd") else "tp2"]["before" if layout.endswith("_wd")
+                                                                          else "hf_state"]
         exp = results[0][layout]["export_before"]
         assert set(exp) == set(hf), layout
         for k in hf:
