@@ -8,6 +8,7 @@ import signal
 import statistics
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from megatron_rl.algorithms.grpo import train_step
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.config import load_config
 from megatron_rl.distributed.worker_group import WorkerDiedError
+from tests.integration.serving_reference import assert_serves
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,20 +100,13 @@ def test_refit_after_training_serves_trained_weights(parts):
             print(engine.name, err_trained, err_start)
             assert err_trained < 0.1 and err_trained < err_start / 3, (engine.name, err_trained, err_start)
         return
-    refs = []
-    for p in prompts:
-        with torch.no_grad():
-            refs.append(hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
+    # fp32: each engine alone, and the pool spreading the prompts over both, serves the trained weights token for
+    # token over 12 greedy tokens of every prompt, and its sampled logprobs are the trained weights' to 1e-4
+    # (measured: 1.5e-5; the final norm loaded 0.2 % off, greedy output unchanged, gives 7.6e-3)
+    eos = c.tokenizer.eos_token_id
     for engine in c.generator.engines:
-        alone = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=12,
-                                expected_version=3)
-        for got, ref in zip(alone.token_ids, refs):
-            assert got == ref[:len(got)] and len(got) >= 1, engine.name
-    res = c.generator.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=12,
-                               expected_version=3)  # and the pool, spreading the prompts over both
-    for got, ref in zip(res.token_ids, refs):
-        assert got == ref[:len(got)] and len(got) >= 1
+        print(engine.name, assert_serves(partial(engine.generate, expected_version=3), hf, prompts, eos=eos))
+    print("pool", assert_serves(partial(c.generator.generate, expected_version=3), hf, prompts, eos=eos))
 
 
 def test_refit_is_routed_by_device(parts):

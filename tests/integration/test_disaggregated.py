@@ -3,6 +3,7 @@ by broadcast from each pipeline stage's exporting rank over a gloo group that sp
 that runs over NCCL on GPU. After training, the engine must serve exactly the trained weights (its greedy output
 equals HF transformers loaded with the policy's exported weights), at TP = 2 and at PP = 2 (two stages, two groups,
 no gather of the model on one rank)."""
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from megatron_rl.algorithms.grpo import train_step
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.config import load_config
+from tests.integration.serving_reference import assert_serves
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,12 +60,9 @@ def test_collective_refit_serves_the_trained_weights(layout, tiny_model_factory,
         assert max(float((exported[k] - v).abs().max()) for k, v in original.items()) > 1e-4  # training moved them
 
         prompts = [c.tokenizer.encode(t) for t in ("12 + 5 =", "The answer is", "Once upon a time")]
-        res = c.generator.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=12,
-                                   expected_version=2)
-        for p, got in zip(prompts, res.token_ids):
-            with torch.no_grad():
-                ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-            assert got == ref[:len(got)] and len(got) >= 1
+        # the engine serves the trained weights token for token over 12 greedy tokens of every prompt, and its
+        # sampled logprobs are theirs to 1e-4 (a tensor loaded 0.2 % off moves them by ~1e-2: test_colocated_refit)
+        print(assert_serves(partial(c.generator.generate, expected_version=2), hf, prompts,
+                            eos=c.tokenizer.eos_token_id))
     finally:
         c.shutdown()

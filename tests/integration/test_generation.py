@@ -15,6 +15,7 @@ from megatron_rl.generation import StaleWeightsError, VLLMGenerator
 from megatron_rl.weights.manifest import RefitError, RefitHandle
 from megatron_rl.weights.shared_memory import (SHM_DIR, SHM_PREFIX, SharedMemorySender, map_shared_memory,
                                                verify_shared_memory_unchanged)
+from tests.integration.serving_reference import assert_greedy_matches, hf_greedy, hf_logprobs
 
 PROMPTS = [[1, 504, 3224, 314, 253], [28, 10966, 2099, 30, 441, 284, 16], [9109, 42, 7]]
 T = 0.7
@@ -25,22 +26,6 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-@torch.no_grad()
-def hf_logprobs(model, prompt, tokens, temperature):
-    """log_softmax(logits / T) of `tokens` continuing `prompt`: what a trainer computes for the sampled tokens."""
-    ids = torch.tensor([prompt + tokens])
-    logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt, k):
-    ids = list(prompt)
-    for _ in range(k):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def buckets_of(path, per_bucket=5, drop=()):
@@ -57,13 +42,6 @@ def _use_vllm_reload(wrapper):
 def greedy(gen, max_tokens=16):
     r = gen.generate(PROMPTS, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
     return r.token_ids
-
-
-def assert_greedy_matches(vllm_ids, ref_ids, eos=None):
-    eos = EOS if eos is None else eos
-    for got, ref in zip(vllm_ids, ref_ids):
-        assert got == ref[:len(got)], (got, ref)
-        assert len(got) == len(ref) or got[-1] == eos  # shorter only when EOS ended it
 
 
 def shm_files():
@@ -209,7 +187,7 @@ class TestUntied:
         with pytest.raises(StaleWeightsError):
             gen.assert_version(1)
         assert greedy(gen) == base
-        assert_greedy_matches(base, [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
+        assert_greedy_matches(base, [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS], EOS)
         # a closed sender leaves no files behind; the generator keeps its own arena for the next refit
         assert sorted(set(shm_files()) - {os.path.basename(p) for p in gen._sender.paths}) == before_files
 
@@ -224,7 +202,7 @@ class TestUntied:
         ref_b = hf_model(models[1])
         new = greedy(gen)
         assert new != old
-        assert_greedy_matches(new, [hf_greedy(ref_b, p, 16) for p in PROMPTS])
+        assert_greedy_matches(new, [hf_greedy(ref_b, p, 16) for p in PROMPTS], EOS)
         res = gen.generate(PROMPTS, n=2, temperature=T, top_p=1.0, top_k=-1, max_tokens=10, seed=3)
         assert res.weight_version == 1
         for k, ids in enumerate(res.token_ids):
@@ -236,7 +214,7 @@ class TestUntied:
         assert shm_files() == arena  # same layout: rewritten in place
         gen.update_weights(buckets_of(models[1], per_bucket=100), version=3)  # new layout: one bucket
         assert len(shm_files()) == 1 and not set(shm_files()) & set(arena)
-        assert_greedy_matches(greedy(gen), [hf_greedy(ref_b, p, 16) for p in PROMPTS])
+        assert_greedy_matches(greedy(gen), [hf_greedy(ref_b, p, 16) for p in PROMPTS], EOS)
 
 
 class TestTied:
@@ -250,15 +228,15 @@ class TestTied:
         with make_generator(models[0]) as gen:
             if reloader == "vllm_reload_weights":  # the path for models the resident reloader does not handle
                 gen._llm.collective_rpc(_use_vllm_reload)
-            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
+            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS], EOS)
             buckets = buckets_of(models[1])  # HF's state_dict of a tied model also lists lm_head.weight
             assert any(n == "lm_head.weight" for b in buckets for n, _ in b)
             stats = gen.update_weights(buckets, version=1)
             assert stats["resident_reload"] == (reloader == "resident")
-            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[1]), p, 16) for p in PROMPTS])
+            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[1]), p, 16) for p in PROMPTS], EOS)
             # the exact set without the alias is accepted too
             gen.update_weights(buckets_of(models[0], drop=("lm_head.weight",)), version=2)
-            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS])
+            assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS], EOS)
         assert shm_files() == []
 
 

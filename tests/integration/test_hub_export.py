@@ -18,7 +18,8 @@ import torch
 
 from megatron_rl.config import dump_yaml, load_config
 from megatron_rl.weights import convert
-from tests.integration.test_generation import PROMPTS, assert_greedy_matches, hf_greedy, hf_model
+from tests.integration.serving_reference import assert_greedy_matches, hf_greedy
+from tests.integration.test_generation import EOS, PROMPTS, hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_SHARD = 8_000_000  # bytes: the tiny model's ~27 MB of fp32 weights must split into several shards
@@ -104,4 +105,4 @@ def test_vllm_loads_the_export_unchanged_and_decodes_like_transformers(export):
     assert r.returncode == 0, r.stderr[-4000:]
     [line] = [x for x in r.stdout.splitlines() if x.startswith("TOKENS ")]
     ref = hf_model(model)
-    assert_greedy_matches(json.loads(line[len("TOKENS "):]), [hf_greedy(ref, p, k) for p in PROMPTS])
+    assert_greedy_matches(json.loads(line[len("TOKENS "):]), [hf_greedy(ref, p, k) for p in PROMPTS], EOS)
