@@ -60,6 +60,30 @@ def _exported(c) -> dict:
     return out
 
 
+def _reference(c, cfg):
+    """An fp32 HF transformers model holding the trainer's weights as exported now (the trainer must be resident)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.policy.model), dtype=torch.float32).eval()
+    missing, unexpected = hf.load_state_dict(_exported(c), strict=False)
+    assert not missing and not unexpected
+    return hf
+
+
+def _assert_engines_serve(c, hf, version):
+    """Each engine alone serves `hf`'s weights: greedy continuations of three prompts over 8 tokens equal HF's, token
+    for token, and the logprobs of its samples equal HF's to 1e-4 (fp32)."""
+    from functools import partial
+
+    from tests.integration.serving_reference import assert_serves
+
+    prompts = PROMPTS + [c.tokenizer.encode("Once upon a time")]
+    for engine in c.generator.engines:
+        print(engine.name, assert_serves(partial(engine.generate, expected_version=version), hf, prompts,
+                                         eos=c.tokenizer.eos_token_id, max_tokens=8))
+
+
 @pytest.fixture(scope="module", params=["megatron", "fsdp2"])
 def parts(request, tiny_model_factory, tmp_path_factory):
     """Built once per policy backend (policy.backend): every test below runs on both (docs/fsdp2.md)."""
@@ -206,9 +230,12 @@ def test_level_two_sleep_discards_the_weights_and_a_skipped_step_refits_them(par
     version = c.handover.version
     c.handover.to_trainer()
     assert c.generator.weight_version == -1  # undefined: discarded by the level-2 sleep
+    trained = _reference(c, cfg)  # what the trainer holds now: what the engines must serve again after the re-refit
     c.handover.to_generator()  # the same weights again, as the same version
     assert c.handover.version == version and c.generator.weight_version == version
-    assert len(_generate(c, expected_version=version)) == 2
+    # a version number says nothing about the bytes: each engine must serve the trainer's weights again, token for
+    # token and logprob for logprob (not the checkpoint's it started from, nor a part-restored mix)
+    _assert_engines_serve(c, trained, version)
     cfg.grpo.advantage.dynamic_sampling = True
     c.reward_fn = ConstantReward()
     try:
@@ -218,7 +245,7 @@ def test_level_two_sleep_discards_the_weights_and_a_skipped_step_refits_them(par
         c.reward_fn = TextReward()
     assert rec["skipped"] and (out / "ck2" / "step_9").is_dir()
     assert c.handover.version == version and c.generator.state == AWAKE
-    assert len(_generate(c, expected_version=version)) == 2
+    _assert_engines_serve(c, trained, version)  # the skipped step's handover refitted the same weights again
 
 
 def test_a_dead_engine_fails_the_step_naming_it(parts):
