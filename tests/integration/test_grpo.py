@@ -60,7 +60,8 @@ def test_metrics_contract_and_outputs(full_run):
         missing = CONTRACT_KEYS - set(x)
         assert not missing, f"step {x['step']} lacks {missing}"
         assert not any(k.startswith("gpu") for k in x)  # CPU: device telemetry keys (gpu{i}_*) are absent, not zero
-        assert 0.0 <= x["reward_mean"] <= 1.0 + 1e-6
+        # reward_mean: a [0, 1] bound holds by construction; test_samples_jsonl_holds_each_steps_completions_and_rewards
+        # checks it is the mean of the step's own sample rewards
         assert x["num_tokens"] > 0 and x["time_step_s"] > 0
         # the generator's logprobs and the trainer's agree closely after every refit (same weights, fp32)
         assert 1.0 <= x["token_mult_prob_error"] < 1.01, x["token_mult_prob_error"]

@@ -90,9 +90,12 @@ def test_dpo_two_steps_at_dp2(model, tmp_path):
     # step 1's forward runs on the initial weights, which are the reference: h = 0, the loss is log 2 + the NLL term
     assert recs[1]["rewards_margin"] == 0.0 and recs[1]["loss"] == pytest.approx(0.6931 + 0.1 * recs[1]["sft_loss"],
                                                                                    abs=1e-3)
-    assert recs[2]["val_rewards_accuracy"] >= 0.0 and "val_loss" in recs[0]
-    # before any update the policy is the reference: no implicit reward yet, but its own preference is defined
-    assert recs[0]["val_rewards_margin"] == 0.0 and 0.0 <= recs[0]["val_logps_accuracy"] <= 1.0
+    assert "val_rewards_accuracy" in recs[2] and "val_loss" in recs[0]
+    # before any update the policy is the reference: no implicit reward yet, but its own preference is defined; two
+    # steps later the policy has left the (frozen) reference, so the implicit rewards part (a reference that followed
+    # the policy would keep the margin at 0)
+    assert recs[0]["val_rewards_margin"] == 0.0 and "val_logps_accuracy" in recs[0]
+    assert recs[2]["val_rewards_margin"] != 0.0
 
 
 @pytest.mark.parametrize("algo,line,field", [
