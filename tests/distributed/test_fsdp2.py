@@ -142,12 +142,17 @@ def test_save_load_next_step_bit_identical(results):
 
 
 def test_bf16_step_near_the_fp32_reference(results):
-    """bf16 keeps 8 significant bits: logprobs and the loss agree to a few 1e-2 (test_policy's bf16 bounds); the
-    update must point where the fp32 step's does, with its size. Measured (2026-12-02): all matrices together cos
-    0.998, each matrix's update norm within 0.998-1.051 of the reference's; the q_proj updates are the outliers (cos
-    0.935-0.989, where the megatron backend's bf16 step keeps every matrix >= 0.99: HF's bf16 forward rounds
-    differently, cause not pinned down), hence a per-matrix bound of 0.9. A lost, mis-scaled or mis-signed
-    gradient gives ~0, a norm far off, or a grad_norm off by the DP factor."""
+    """bf16 keeps 8 significant bits: logprobs and the loss agree to a few 1e-2; the update must point where the fp32
+    step's does, with its size: test_policy's bf16 bounds, the same bar as the megatron backend's.
+
+    This step once ran at lr 1e-3 (the megatron one at 1e-2) and its q_proj updates measured cos 0.935-0.989, so
+    the bounds were loosened to 0.9 and 10 %. The cause was the step size, not the backend: the check differences
+    bf16 weights exported before and after the step, and at lr 1e-3 the q_proj/k_proj updates of this model are
+    only 1-4 bf16 spacings of their small weights (median update 4.6e-5 to 2.3e-4 from layer 3 to layer 0, spacing
+    5.3e-5). Rounding those two exports alone, applied to the exact fp32 step, gives q_proj cos 0.88-0.99 and norms
+    up to 13 % off; at lr 1e-2, cos >= 0.9999. At lr 1e-2 the FSDP2 step measured (2026-12-05) cos >= 0.9988 for
+    every matrix and norms within 0.16 %. A lost, mis-scaled or mis-signed gradient gives ~0, a norm far off, or a
+    grad_norm off by the DP factor; an lr 5 % off fails the norm bound."""
     r = results[0]["bf16"]
     lp_err = torch.cat([(g.float() - w).abs() for g, w in zip(r["logprobs"], r["ref_lps"])])
     assert lp_err.max() < 0.1 and lp_err.mean() < 0.02, (lp_err.max(), lp_err.mean())
@@ -157,11 +162,11 @@ def test_bf16_step_near_the_fp32_reference(results):
     got_all, ref_all = [], []
     for k, v in r["after"].items():
         if v.dim() != 2:
-            continue  # norm weights ~1.0: a 1e-3 update is below bf16's spacing there (kept in the fp32 master)
+            continue  # norm weights ~1.0: a 1e-2 update is a few bf16 spacings there (kept in the fp32 master)
         d_got = (v.float() - r["before"][k].float()).flatten()
         d_ref = (r["ref_state"][k].float() - r["before"][k].float()).flatten()
-        assert torch.nn.functional.cosine_similarity(d_got, d_ref, dim=0) > 0.9, k
-        assert d_got.norm() == pytest.approx(float(d_ref.norm()), rel=0.1), k
+        assert torch.nn.functional.cosine_similarity(d_got, d_ref, dim=0) > 0.99, k
+        assert d_got.norm() == pytest.approx(float(d_ref.norm()), rel=0.02), k
         got_all.append(d_got)
         ref_all.append(d_ref)
     assert torch.nn.functional.cosine_similarity(torch.cat(got_all), torch.cat(ref_all), dim=0) > 0.995
