@@ -32,7 +32,7 @@ in launch/requirements-cpu.lock; by hand: `.venv/bin/pip install -c launch/requi
                                           [--model DIR] [--trl-precision match|fp32|bf16] [--no-noskip]
                                           [--learn-minutes 10] [--learn-evals 4] [--val-prompts 128] [--smoke]
 
---smoke: both sides, each in its own subprocess as above, for one measured step (no warm-up) on a tiny random Llama
+--smoke: both sides, each library's step and learning run in one subprocess, for one measured step (no warm-up) on a tiny random Llama
 (bench/smoke_model.py) with 2 prompts x 2 generations of 4 new tokens, TRL micro-batch 4; then the learning runs for
 0.01 min each (one step) with 4 held-out prompts, evaluated at the start and the end; prints the same tables and
 exits non-zero unless both sides ran their step, TRL saw our prompt token ids and both learning runs evaluated
@@ -295,7 +295,9 @@ def load_line() -> str:
         f"{os.cpu_count()} cores"
 
 
-def run_side(side: str, args, snapshot: str | None = None) -> dict | None:
+def run_side(side: str, args, snapshot: str | list[str] | None = None) -> dict | None:
+    """`side` in a fresh subprocess; its result. Several sides ("a,b") or snapshots (a list) in one process give
+    {side: [result, ...]} (the smoke: one start-up per library instead of one per side)."""
     with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{side}_") as tmp:
         res = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--side", side, "--result", str(res), "--steps", str(args.steps),
@@ -303,7 +305,7 @@ def run_side(side: str, args, snapshot: str | None = None) -> dict | None:
                "--trl-precision", args.trl_precision, "--learn-minutes", str(args.learn_minutes),
                "--learn-evals", str(args.learn_evals), "--val-prompts", str(args.val_prompts),
                *(["--snapshots", args.snapshots] if args.snapshots else []),
-               *(["--snapshot", snapshot] if snapshot else []),
+               *[x for snap in ([snapshot] if isinstance(snapshot, str) else snapshot or []) for x in ("--snapshot", snap)],
                "--trl-micro-batch", str(args.trl_micro_batch), *(["--model", args.model] if args.model else []),
                *(["--smoke"] if args.smoke else [])]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -380,10 +382,11 @@ def main() -> int:
     ap.add_argument("--learn-evals", type=int, default=4, help="evaluations after the one at minute 0")
     ap.add_argument("--val-prompts", type=int, default=128, help="held-out prompts per evaluation")
     # internal: one side, in this process
-    ap.add_argument("--side", choices=("ours", "ours_noskip", "trl", *LEARN_SIDES, "eval"), help=argparse.SUPPRESS)
+    # --side: one side, or (the smoke) several in turn, comma-separated; --snapshot: repeated for several evals
+    ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--snapshots", help=argparse.SUPPRESS)  # where trl_learn saves its models
-    ap.add_argument("--snapshot", help=argparse.SUPPRESS)  # the folder an eval side evaluates
+    ap.add_argument("--snapshot", action="append", help=argparse.SUPPRESS)  # the folder(s) an eval side evaluates
     args = ap.parse_args()
 
     if args.side:
@@ -396,10 +399,19 @@ def main() -> int:
         torch.set_num_threads(args.threads)
         run = {"trl": run_trl, "trl_learn": run_trl, "ours": run_ours, "ours_noskip": run_ours,
                "ours_learn": lambda a, out: run_ours_learn(a, load_cfg(a, out), out),
-               "eval": lambda a, out: run_eval(a, load_cfg(a, out))}[args.side]
-        with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{args.side}_out_") as out:
-            r = run(args, out)
-        Path(args.result).write_text(json.dumps(r))
+               "eval": lambda a, out: run_eval(a, load_cfg(a, out))}
+        sides = args.side.split(",")
+        unknown = [x for x in sides if x not in run]
+        if unknown:
+            ap.error(f"--side: unknown {unknown}; one of {sorted(run)}")
+        results: dict[str, list] = {}
+        for side in sides:
+            for snap in (args.snapshot or [None]) if side == "eval" else [None]:
+                a = argparse.Namespace(**{**vars(args), "side": side, "snapshot": snap})
+                with tempfile.TemporaryDirectory(prefix=f"grpo_vs_trl_{side}_out_") as out:
+                    results.setdefault(side, []).append(run[side](a, out))
+        one = len(sides) == 1 and len(results[sides[0]]) == 1
+        Path(args.result).write_text(json.dumps(results[sides[0]][0] if one else results))
         return 0
 
     tmp = tempfile.TemporaryDirectory()
@@ -419,14 +431,24 @@ def main() -> int:
             return 3
     load_before = load_line()
     sides = [("trl", "trl"), ("ours", "ours")] + ([("ours_noskip", "ours")] if args.noskip else [])
-    raw = {side: run_side(side, args) for side, kind in sides if args.only in (None, kind)}
     learn = {}
     if args.learn_minutes > 0:
         args.snapshots = tempfile.mkdtemp(prefix="grpo_vs_trl_snapshots_", dir=tmp.name)
-        lraw = {side: run_side(side, args) for side, kind in (("trl_learn", "trl"), ("ours_learn", "ours"))
-                if args.only in (None, kind)}
-        learn = learning(args, lraw.get("trl_learn"), lraw.get("ours_learn"), run_side)
-        raw.update(lraw)
+    if args.smoke:
+        # the smoke: each library's timed step and learning run in one process, TRL's snapshots evaluated in one
+        # more (3 start-ups instead of 6, ~1 min on the AVX2 kind); measurements keep a fresh process per side
+        raw = {}
+        for group in (("trl", "trl_learn"), ("ours", "ours_learn")):
+            r = run_side(",".join(group), args) or {}
+            raw.update({side: (r.get(side) or [None])[0] for side in group})
+        learn = learning(args, raw.get("trl_learn"), raw.get("ours_learn"), run_side, one_process=True)
+    else:
+        raw = {side: run_side(side, args) for side, kind in sides if args.only in (None, kind)}
+        if args.learn_minutes > 0:
+            lraw = {side: run_side(side, args) for side, kind in (("trl_learn", "trl"), ("ours_learn", "ours"))
+                    if args.only in (None, kind)}
+            learn = learning(args, lraw.get("trl_learn"), lraw.get("ours_learn"), run_side)
+            raw.update(lraw)
     load_after = load_line()
     trl, ours = summarize(raw.get("trl"), args.warmup), summarize(raw.get("ours"), args.warmup)
     noskip = summarize(raw.get("ours_noskip"), args.warmup) if "ours_noskip" in raw else None

@@ -59,21 +59,26 @@ def run_eval(args, cfg) -> dict:
     return {"accuracy": r["val_accuracy"], "prompts": r["val_num_prompts"], "eval_s": r["seconds"]}
 
 
-def learning(args, trl_run: dict | None, ours_run: dict | None, run_side) -> dict:
-    """TRL's snapshots evaluated (each in its own process), beside our run's evaluations: {"trl": [...],
-    "ours": [...]}, each entry {train_s, step, accuracy}; a side that failed is missing. `run_side` is the driver's
-    one-side-in-a-subprocess runner."""
+def learning(args, trl_run: dict | None, ours_run: dict | None, run_side, one_process: bool = False) -> dict:
+    """TRL's snapshots evaluated (each in its own process; all in one with `one_process`), beside our run's
+    evaluations: {"trl": [...], "ours": [...]}, each entry {train_s, step, accuracy}; a side that failed is missing.
+    `run_side` is the driver's side-in-a-subprocess runner."""
     out = {}
     if ours_run:
         out["ours"] = ours_run["evals"]
     if trl_run:
-        evals = []
-        for snap in trl_run["snapshots"]:
-            r = run_side("eval", args, snapshot=snap["dir"])
-            if r is None:
-                break
-            evals.append({**{k: snap[k] for k in ("train_s", "step")}, **r})
-        if len(evals) == len(trl_run["snapshots"]):
+        snaps = trl_run["snapshots"]
+        if one_process:
+            results = ((run_side("eval", args, snapshot=[s["dir"] for s in snaps]) or {}).get("eval") or [])
+        else:
+            results = []
+            for snap in snaps:
+                r = run_side("eval", args, snapshot=snap["dir"])
+                if r is None:
+                    break
+                results.append(r)
+        evals = [{**{k: snap[k] for k in ("train_s", "step")}, **r} for snap, r in zip(snaps, results) if r]
+        if len(evals) == len(snaps):
             out["trl"] = evals
     return out
 

@@ -16,8 +16,8 @@ GRPO: the pipeline a user runs, each step a real `megatron-rl` command in its ow
 5. GRPO (configs/demo_cpu.yaml) for --grpo-steps from the base model and from the SFT model, side by side.
 
 Every stage writes under --out and is skipped when its result is there, so a killed run continues. --smoke: 8
-training prompts x 4 samples (validated on themselves), 1 SFT and 1 DPO step, the SFT export evaluated on 8 held-out
-prompts, no GRPO, in a temporary folder (tests/unit/test_bench_sft_dpo_demo.py).
+training prompts x 4 samples (validated on themselves), 1 SFT and 1 DPO step, the SFT model alone exported and
+evaluated on 8 held-out prompts, no GRPO, in a temporary folder (tests/unit/test_bench_sft_dpo_demo.py).
 """
 from __future__ import annotations
 
@@ -82,14 +82,18 @@ class Demo:
                "--sft", str(files["sft_val"]), "--dpo", str(files["dpo_val"]), "--per-prompt", "1")
         return files
 
-    def train(self, algo: str, files: dict[str, Path], overrides: list[str]) -> Path:
-        """`megatron-rl sft|dpo` on the sampled data, exported to HF; the exported folder."""
+    def train(self, algo: str, files: dict[str, Path], overrides: list[str], export: bool = True) -> Path:
+        """`megatron-rl sft|dpo` on the sampled data, exported to HF (unless `export` is False); the exported
+        folder."""
         run, hf = self.out / algo, self.out / algo / "hf"
-        if not (hf / "config.json").exists():
+        done = (hf / "config.json").exists() if export else bool(list(run.glob("checkpoints/step_*")))
+        if not done:
             def go():
                 sh("megatron_rl", algo, str(ROOT / f"configs/{algo}_cpu.yaml"), f"output.dir={run}",
                    f"data.path={files[algo]}", f"data.val_path={files[algo + '_val']}", *overrides, *QUIET)
-                sh("megatron_rl", "convert", "megatron-to-hf", "--ckpt", str(latest_checkpoint(run)), "--out", str(hf))
+                if export:
+                    sh("megatron_rl", "convert", "megatron-to-hf", "--ckpt", str(latest_checkpoint(run)), "--out",
+                       str(hf))
             self.timed(algo, go)
         return hf
 
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
             print("[sft_dpo_demo] the base model's samples gave no SFT example or no DPO pair", file=sys.stderr)
             return 1
         sft_hf = demo.train("sft", files, sft_over)
-        dpo_hf = demo.train("dpo", files, dpo_over)
+        # the smoke exports and evaluates the SFT model only: DPO's export is the same command on another folder
+        dpo_hf = demo.train("dpo", files, dpo_over, export=not args.smoke)
         # the smoke evaluates one export (the others are the same commands on other folders)
         models = (("sft", str(sft_hf)),) if args.smoke else \
             (("base", "default"), ("sft", str(sft_hf)), ("dpo", str(dpo_hf)))

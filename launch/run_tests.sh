@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the test suite: the README's test command, and what CI runs.
-#   bash launch/run_tests.sh            # default suite (slow tests excluded)
-#   bash launch/run_tests.sh -m slow    # opt-in slow checks (real SmolLM2-135M parity, soak)
+# Set up (idempotent) and run the test suite: the README's test command, and what CI runs. docs/testing.md has the
+# tiers and their times.
+#   bash launch/run_tests.sh                  # the default tier (slow tests excluded): what CI runs
+#   bash launch/run_tests.sh --quick          # the inner loop: unit, kernels, one distributed launch, one GRPO run
+#   bash launch/run_tests.sh --changed        # only the tests whose code a change touched (pytest-testmon)
+#   bash launch/run_tests.sh --profile F.jsonl  # the default tier, timing every test and fixture and counting what
+#                                               # each starts (tests/tools/suite_profile.py F.jsonl prints the table)
+#   bash launch/run_tests.sh -m slow          # opt-in slow checks (real SmolLM2-135M parity, soak, ...)
+# Other arguments go to pytest as they are (a file, -k EXPR, -x, ...).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/launch/setup_env.sh"
@@ -29,4 +35,22 @@ if [[ ${#missing[@]} -gt 0 ]]; then
 fi
 
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m pytest -q -ra --durations=15 "$@"
+# The quick tier: everything under tests/unit and tests/kernels except the bench smokes (each a set of subprocesses
+# starting Ray and engines), the collective harness's own checks, and one end-to-end GRPO run through the CLI. The
+# default tier runs all of it too.
+QUICK=(tests/unit tests/kernels tests/distributed/test_foundation.py
+       "tests/integration/test_grpo.py::test_metrics_contract_and_outputs" -m "not slow and not bench")
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --quick) args+=("${QUICK[@]}") ;;
+    # testmon records which code each test ran (coverage of the pytest process, not of Ray actors or launched ranks:
+    # those tests are picked by the driver-side code they call) in .testmondata, and the next --changed run selects
+    # the tests that ran changed code; the first run on a clone runs everything once to fill it.
+    --changed) args+=(--testmon) ;;
+    --profile) args+=(-p tests.tools.suite_profile "--suite-profile=$2"); shift ;;
+    *) args+=("$1") ;;
+  esac
+  shift
+done
+exec "$ROOT/.venv/bin/python" -m pytest -q -ra --durations=20 "${args[@]}"

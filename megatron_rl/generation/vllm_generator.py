@@ -69,6 +69,12 @@ def executor_backend(tp: int, *, in_ray_actor: bool) -> str | None:
     return "ray" if in_ray_actor else "mp"
 
 
+def _disable_dynamo() -> None:
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+
+
 def _in_ray_actor() -> bool:
     try:
         import ray
@@ -111,6 +117,13 @@ class VLLMGenerator(Generator):
         if cpu:
             # must be set before vLLM builds its engine client; harmless if vllm was imported earlier
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            # The CPU engine is eager (enforce_eager), yet vLLM still torch.compiles two sampler helpers with
+            # inductor (v1/sample/ops: logprobs' batched_count_greater_than, topk_topp_sampler's
+            # compiled_random_sample). Tracing and compiling them cost 5-10 s of every engine's start and first
+            # generate with inductor's on-disk cache warm, 25-40 s with it cold (a new machine, a CI clone), for no
+            # measurable generation speed at these sizes (docs/testing.md, "Engine start"). This process only
+            # generates (an actor of its own, or a test), so dynamo is switched off in it.
+            _disable_dynamo()
         kwargs = dict(
             model=self.model_path, dtype=_VLLM_DTYPE[self.platform.resolve_dtype(config.precision)], seed=seed,
             enforce_eager=True if cpu else config.enforce_eager,

@@ -10,6 +10,8 @@ import pytest
 
 from megatron_rl.paths import default_model_dir
 
+pytestmark = pytest.mark.bench  # a bench's --smoke: not in the quick tier (launch/run_tests.sh)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
