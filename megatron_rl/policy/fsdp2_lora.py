@@ -128,9 +128,10 @@ def _peft(param_name: str, prefix: str) -> str:
 
 
 @torch.no_grad()
-def adapter_state(model: nn.Module, prefix: str, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every adapter (or its gradient) at full shape in PEFT's names, on the CPU, on every rank (collective over
-    all ranks: each tensor is gathered over dp x tp)."""
+def adapter_state(model: nn.Module, prefix: str, grads: bool = False, on_host: bool = True) -> dict[str, torch.Tensor]:
+    """Every adapter (or its gradient) at full shape in PEFT's names, in fp32 on the CPU (`on_host=False`: on the
+    adapters' device, for the merge, `lora.merged`), on every rank (collective over all ranks: each tensor is
+    gathered over dp x tp)."""
     out = {}
     for name, p in model.named_parameters():
         if ADAPTER_KEY in name:
@@ -138,7 +139,7 @@ def adapter_state(model: nn.Module, prefix: str, grads: bool = False) -> dict[st
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             # a copy: a gather over one shard (a replicated adapter) is the parameter itself, which the next step
             # changes in place
-            out[_peft(name, prefix)] = full.detach().to("cpu", torch.float32, copy=True)
+            out[_peft(name, prefix)] = full.detach().to("cpu" if on_host else full.device, torch.float32, copy=True)
     return out
 
 

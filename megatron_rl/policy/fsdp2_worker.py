@@ -362,7 +362,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         dtype = dtype or self.dtype
         items = self._full_weights()
         if self.lora is not None:
-            items = merged(items, fsdp2_lora.merges(self.lora, fsdp2_lora.adapter_state(self.model, ROOT)))
+            items = merged(items, fsdp2_lora.merges(self.lora, fsdp2_lora.adapter_state(self.model, ROOT,
+                                                                                        on_host=False)))
         bucket, size = [], 0
         for name, w, local in items:
             for disk_name, t in self._disk_tensors(name, w.detach()):
