@@ -172,7 +172,12 @@ def build(cfg: Config, out_dir: Path) -> Components:
     share = layout.share
     placement, policy, logs = start_policy(cfg, out_dir, n_bundles, sharing, layout.policy_share, cfg.grpo.max_steps)
     teacher = None
-    if cfg.distillation is not None:  # on the policy's bundles; offloaded below with the trainer when colocated
+    if cfg.distillation is not None:  # on the policy's bundles
+        if c.colocated:
+            # the teacher's setup loads its weights onto the policy's devices: the trainer's state leaves first, so
+            # the two are never resident together (an 8B student's training state plus a 32B teacher exceed 80 GB);
+            # the handover offloads the teacher in turn before the engines start
+            policy.offload()
         teacher = start_teacher(cfg, placement, logs, sharing, layout.policy_share)
     cores = os.cpu_count() or 1
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
