@@ -118,13 +118,14 @@ class RefitWorkerExtension:
         """Receive a refused collective update and drop it, so the exporters' broadcast completes."""
         receiver = getattr(self, "_mrl_receiver", None)
         if receiver is not None:
-            receiver.receive(RefitHandle.from_dict(handle))
+            receiver.drain(RefitHandle.from_dict(handle))
 
     def mrl_apply_refit(self, handle: dict) -> dict:
         """Validate the update's bytes, then load it: on CPU into the packed layers through `ResidentCpuReloader`,
         elsewhere through vLLM's in-place `reload_weights` (layer by layer, then each layer's post-load processing).
 
-        `open_buckets` checks every bucket (sizes, stamps) before returning; a bad update is refused with the old
+        `open_buckets` checks every bucket (sizes, stamps) before returning (the in-band transports; the collective
+        one streams, a bucket at a time, after the driver's manifest check); a bad update is refused with the old
         weights untouched. The refusal is returned, not raised, so it reaches the driver as the same plain message
         in-process and across vLLM's worker processes (where exceptions arrive re-wrapped). The driver has already
         checked the names against the model. A failure after loading began is raised: the weights are then undefined.
@@ -141,10 +142,13 @@ class RefitWorkerExtension:
         seen: set[str] = set()
 
         def weights():
-            for bucket in buckets:
-                for name, tensor in bucket:
-                    seen.add(name)
-                    yield name, tensor
+            try:
+                for bucket in buckets:
+                    for name, tensor in bucket:
+                        seen.add(name)
+                        yield name, tensor
+            finally:  # collective: buckets stream in as they are loaded; one left unread must still be received
+                getattr(buckets, "close", lambda: None)()
 
         reloader = self._mrl_reloader()
         if reloader is not None:
