@@ -38,7 +38,7 @@ ALLOWED = {
     ("megatron_rl/models/mapping.py", "iter_hf_tensors", "all_gather"): _MODEL_DEVICE + " (TP parameter shards)",
     ("megatron_rl/models/lora.py", "adapter_state.gather", "all_gather"):
         _MODEL_DEVICE + " (TP shards of the LoRA adapters, gathered from the parameters themselves)",
-    ("megatron_rl/policy/weights_out.py", "WeightsOut.adapter_update", "all_gather_object"): _OBJECT,
+    ("megatron_rl/policy/weights_out.py", "WeightsOut.adapter_update", "gather_object"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "_bcast", "broadcast_object_list"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "_gather", "all_gather_object"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "save_checkpoint", "barrier"): "no tensor of ours: torch places the barrier's",
