@@ -61,6 +61,9 @@ ALLOWED = {
     ("megatron_rl/policy/fsdp2_tp.py", "_ReduceFromTP.forward", "all_reduce"):
         _MODEL_DEVICE + " (an FSDP2 student's top-k distillation logits at the teacher's ids, or a row-parallel LoRA "
                         "adapter's A x: each TP rank's partial)",
+    ("megatron_rl/policy/fsdp2_load.py", "load_shards", "broadcast"):
+        "each full tensor is made on the worker's device (`device`, the rank's GPU under NCCL) before the broadcast",
+    ("megatron_rl/policy/fsdp2_load.py", "load_shards", "broadcast_object_list"): _OBJECT,
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }
