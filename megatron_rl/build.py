@@ -101,6 +101,13 @@ def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share
     # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
     init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
     placement = reserve(n_bundles)
+    try:  # TP groups and engines on one node each, before any actor starts (cluster.py's module doc)
+        placement.check_same_node({k: v for k, v in layout_of(cfg).node_groups().items() if max(v) < n_bundles})
+    except RuntimeError:
+        import ray
+
+        ray.util.remove_placement_group(placement.pg)
+        raise
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
