@@ -5,13 +5,15 @@ CUDA-IPC refit routed by device between processes, placement under Ray. One JSON
     python bench/gpu_check.py --dry-run --out x.json    # CPU, tiny shapes, seconds (tests/unit/test_gpu_check.py)
     bash bench/gpu_check.sh                             # on the lent H200: installs the carried wheels, then runs
 
-Sections (see each method of `Check`): train, varlen_train, logprob_kernel, offload, handover_memory, ipc_refit,
-ray_placement, save_after_handover, fsdp2_train (the second backend on the train section's model; it needs
-transformers and its dependencies among the carried wheels, below).
+Sections (see each method of `Check`): train, varlen_train, logprob_kernel, kernel_checks (tests/kernels/gpu_check.py:
+the compiled Triton kernels against the fp32 references), offload, handover_memory, ipc_refit, ray_placement,
+save_after_handover, fsdp2_train (the second backend on the train section's model, its logprobs against HF's
+logits + log_softmax; it needs transformers and its dependencies among the carried wheels, below).
 A section's failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
+A section that cannot run (a missing import, the time budget spent) fails too: it is never counted as passed.
 
-Preparing the lent machine (Python 3.12, torch/triton/safetensors/pyyaml/psutil/packaging/numpy preinstalled, no
-network): megatron-core is the only missing package. In the repo root, once:
+Preparing the lent machine (Python 3.12, no network; `PREINSTALLED` below is what it has): megatron-core and
+transformers (with its dependencies) are carried as wheels (`CARRIED`). In the repo root, once:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -20,9 +22,11 @@ network): megatron-core is the only missing package. In the repo root, once:
     python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl transformers==5.19.0
 
-(the second, transformers with its dependencies, for the fsdp2_train section: then delete from .whl the wheels of
-what the machine already has — torch, numpy, pyyaml, packaging, safetensors — to stay under the 64 MiB a call
-carries; without transformers that section alone fails, naming the import)
+then delete from .whl the wheels of what the machine already has (torch, numpy, pyyaml, packaging and their
+dependencies) to stay under the 64 MiB a call carries. Keep the safetensors wheel: transformers 5.19 requires
+safetensors >= 0.8 when it is imported, newer than the machine's. Ray is not carried (its wheel and dependencies
+alone exceed the 64 MiB), so on the lent machine `ray_placement` fails, naming the import.
+tests/unit/test_gpu_check.py runs the dry run with every other top-level import refused.
 
 then carry `.whl` and run `bash bench/gpu_check.sh` (it installs .whl/*.whl into /tmp/site first).
 """
@@ -46,8 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # run order: the checkpoint round trip (the slowest, disk-bound) last, so a run near its time budget loses only it
-SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "handover_memory", "ipc_refit", "ray_placement",
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "kernel_checks", "offload", "handover_memory", "ipc_refit", "ray_placement",
             "save_after_handover", "fsdp2_train")
+# distributions the lent machine has, and those the docstring's `pip download` lines bring with their dependencies:
+# the dry run's import test allows these (their requirement closure), the standard library and the project only
+PREINSTALLED = ("torch", "triton", "numpy", "pyyaml", "psutil", "packaging")
+CARRIED = ("megatron-core", "transformers")
 # Llama-3.2-1B's shape (1.24 B parameters, tied embeddings), random weights; max positions kept at the batch scale
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
@@ -287,6 +295,17 @@ class Check:
                 "fwd_bwd_vs_copy": 3 * nbytes / fb_s / 1e9 / copy_gbs, "check_rows": k,
                 "logprob_max_abs_err": lp_err, "grad_max_abs_err": grad_err, "grad_max_abs": grad_max}
 
+    def kernel_checks(self) -> dict:
+        """tests/kernels/gpu_check.py: the compiled Triton kernels against the fp32 references (odd vocabularies,
+        huge and -inf logits, temperature, bf16, the fused linear path); the dry run interprets them at tiny sizes."""
+        from tests.kernels import gpu_check as kernel_check
+
+        dry = not _plat().is_gpu
+        found = kernel_check.failures("cpu", kernel_check.SMALL) if dry else kernel_check.failures()
+        if found:
+            raise AssertionError(f"{len(found)} kernel mismatches: " + "; ".join(f[:300] for f in found[:5]))
+        return {"sizes": "small" if dry else "full", "failures": 0}
+
     def offload(self) -> dict:
         """worker.offload()/onload() after a step: device bytes before/after, times, a train step afterwards."""
         w = self._need_worker()
@@ -397,7 +416,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (what CI runs)")
     ap.add_argument("--out", help="JSON path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
     ap.add_argument("--work-dir", help="scratch space for the model and checkpoint (default: a temp dir)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="sections starting after this are skipped")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="sections starting after this fail unrun")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     args = ap.parse_args(argv)
     out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "gpu_check.json")
@@ -427,7 +446,7 @@ def main(argv=None) -> int:
                    {"error": f"skipped: {t0 - t_start:.0f} s spent, budget {args.budget_s:.0f} s"})
             res["wall_s"] = time.perf_counter() - t0
             check.results[name] = res
-            status = "FAILED" if "error" in res else f"skipped ({res['skipped']})" if "skipped" in res else "ok"
+            status = "FAILED" if "error" in res else "ok"
             print(f"[gpu_check] {name}: {status} ({res['wall_s']:.1f} s)", file=sys.stderr, flush=True)
             flush()
     finally:
@@ -436,7 +455,7 @@ def main(argv=None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     report["ok"] = all("error" not in r for r in check.results.values())
-    report["skipped"] = sorted(n for n, r in check.results.items() if "skipped" in r)  # not ok, not run either
+    report["failed"] = sorted(n for n, r in check.results.items() if "error" in r)  # run or not: each failed
     flush()
     print(json.dumps(report, indent=2, default=str))
     return 0 if report["ok"] else 1

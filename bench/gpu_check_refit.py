@@ -162,8 +162,9 @@ class _Where:
 def ray_placement(check) -> dict:
     try:
         import ray
-    except ImportError:
-        return {"skipped": "ray is not installed on this machine: nothing was placed"}
+    except ImportError as e:  # a section that could not run fails (gpu_check.py's PREINSTALLED/CARRIED say why)
+        raise RuntimeError(f"ray is not importable here ({e}): nothing was placed; Ray is not among the carried "
+                           "wheels") from e
     from bench.gpu_check import _plat
     from megatron_rl.distributed.cluster import reserve
     from megatron_rl.distributed.parallel_dims import device_layout

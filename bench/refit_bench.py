@@ -82,7 +82,8 @@ def _memcpy_baselines(tensors, reps):
 
 
 def _collective_sender(model_dir: str, bucket_bytes: int, port: int, commands, handles) -> None:
-    """A trainer stand-in in its own process: rank 0 of a one-stage refit group; per command, stage + broadcast."""
+    """A trainer stand-in in its own process: rank 0 of a one-stage refit group; per command, the manifest, then the
+    export again, broadcast a bucket at a time (`collective.py`)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.weights.collective import CollectiveSender, open_group
@@ -94,7 +95,7 @@ def _collective_sender(model_dir: str, bucket_bytes: int, port: int, commands, h
         t0 = time.perf_counter()
         handles.put(sender.send(export_buckets(hf, bucket_bytes), version).to_dict())
         stage_s = time.perf_counter() - t0
-        sender.broadcast()
+        sender.broadcast(export_buckets(hf, bucket_bytes))
         handles.put(stage_s)
 
 

@@ -101,6 +101,13 @@ def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share
     # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
     init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
     placement = reserve(n_bundles)
+    try:  # TP groups and engines on one node each, before any actor starts (cluster.py's module doc)
+        placement.check_same_node({k: v for k, v in layout_of(cfg).node_groups().items() if max(v) < n_bundles})
+    except RuntimeError:
+        import ray
+
+        ray.util.remove_placement_group(placement.pg)
+        raise
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
@@ -172,7 +179,12 @@ def build(cfg: Config, out_dir: Path) -> Components:
     share = layout.share
     placement, policy, logs = start_policy(cfg, out_dir, n_bundles, sharing, layout.policy_share, cfg.grpo.max_steps)
     teacher = None
-    if cfg.distillation is not None:  # on the policy's bundles; offloaded below with the trainer when colocated
+    if cfg.distillation is not None:  # on the policy's bundles
+        if c.colocated:
+            # the teacher's setup loads its weights onto the policy's devices: the trainer's state leaves first, so
+            # the two are never resident together (an 8B student's training state plus a 32B teacher exceed 80 GB);
+            # the handover offloads the teacher in turn before the engines start
+            policy.offload()
         teacher = start_teacher(cfg, placement, logs, sharing, layout.policy_share)
     cores = os.cpu_count() or 1
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover

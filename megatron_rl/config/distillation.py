@@ -152,11 +152,17 @@ def check_teacher_family(cfg: Config) -> None:
 
 def teacher_policy_config(cfg: Config) -> PolicyConfig:
     """The teacher ranks' PolicyConfig: the teacher's folder and split, the policy's forward settings (micro-batch
-    budget, packing, shared prefix, fused head), no LoRA, no optimizer use. The teacher is a megatron model whatever
+    budget, packing as the megatron backend resolves it, shared prefix, fused head), no LoRA, no optimizer use. The teacher is a megatron model whatever
     the student's `policy.backend` (policy/teacher_worker.py): it only scores, and its logprobs and top-k come from
     the policy's own megatron forward; an fsdp2 student reads them like any other batch field."""
+    from megatron_rl.platform import get_platform
+
     d = cfg.distillation
+    # policy.packing was resolved for the student's backend: an fsdp2 student's `auto` is none (its varlen row carries
+    # a mask), which would put the megatron teacher on explicit-mask, quadratic attention on GPU. The teacher takes
+    # the megatron backend's own `auto` then; a megatron student's packing (auto or chosen) suits the teacher as is.
+    packing = get_platform().default_packing if cfg.policy.backend == "fsdp2" else cfg.policy.packing
     return dataclasses.replace(cfg.policy, backend="megatron", model=str(teacher_hf_dir(d.teacher)), tokenizer=None,
-                               tp=d.tp, pp=d.pp,
+                               tp=d.tp, pp=d.pp, packing=packing,
                                dp=None, ep=1, moe_aux_loss_coef=0.0, lora=None, activation_recompute=False,
                                precision=cfg.policy.precision if d.precision == "auto" else d.precision)

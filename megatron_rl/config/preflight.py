@@ -10,6 +10,7 @@ Each failure is a `ConfigError` naming the key path and the values (the CLI prin
   model's max_position_embeddings: otherwise vLLM refuses after Ray and the trainer started;
 - the architecture is one the trainer supports, and the engine layout one this platform runs;
 - the engines' memory fits what is free here (local runs only: on a cluster they start elsewhere);
+- an adapter-only refit's PEFT folders fit in /dev/shm (`check_adapter_shm`, local runs only);
 - a configured experiment tracker (logging.wandb / logging.mlflow) has its package installed.
 One check only warns: a prompt whose instructions or examples use one answer form (<answer> tags, \\boxed{}) while
 reward.answer_format reads only the other (`answer_format_mismatch`): every reward 0, and training never learns why.
@@ -162,6 +163,61 @@ def check_generation_memory(cfg: Config, spec) -> None:
         raise ConfigError(problem)
 
 
+def adapter_bytes(model_dir: Path, lora) -> int:
+    """Bytes of one adapter version in an engine's PEFT folder: rank x (in + out) values per adapted linear of every
+    layer (the model's architecture on the meta device, the targets as the FSDP2 backend resolves them, which are
+    the megatron backend's too), at 4 bytes a value (the FSDP2 backend exports fp32; megatron's bf16 adapters take
+    half: an upper bound)."""
+    import json
+
+    from megatron_rl.models.hf_layers import decoder_layers, is_moe, linear_paths, meta_causal_lm
+    from megatron_rl.models.lora_targets import select_hf_linears
+
+    layers = decoder_layers(meta_causal_lm(model_dir))
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    paths = select_hf_linears(lora.target_modules, linear_paths(layers), is_moe(hf))
+    values = 0
+    for layer in layers:
+        for path in paths:
+            try:
+                m = layer.get_submodule(path)
+            except AttributeError:  # a layer without it (dense and MoE layers mixed)
+                continue
+            values += lora.rank * (m.in_features + m.out_features)
+    return 4 * values
+
+
+def shm_problem(engines: int, per_version: int, free: int, root: str) -> str | None:
+    """Each engine writes every adapter version as a folder on tmpfs (`generation/lora_serving.py`) and deletes the
+    previous one only after vLLM loaded the new one: two versions per engine at a refit."""
+    need = engines * 2 * per_version
+    if need <= free:
+        return None
+    return (f"generation.lora_refit=adapter: each refit writes the LoRA adapters to {root}, {engines} engine(s) x 2 "
+            f"versions x {per_version} bytes = {need} bytes needed, but {root} has {free} bytes free; enlarge it "
+            "(docker run --shm-size) or set generation.lora_refit=merged")
+
+
+def check_adapter_shm(cfg: Config, model_dir: Path) -> None:
+    """An adapter refit into a full /dev/shm fails mid-run (Docker's default is 64 MB; 7B all-linear at rank 64 is
+    ~650 MB a version): refuse before anything starts."""
+    import os
+    import shutil
+
+    from megatron_rl.distributed.parallel_dims import layout_of
+    from megatron_rl.generation.lora_serving import TMPFS
+
+    c = cfg.cluster
+    if cfg.generation.lora_refit != "adapter" or cfg.policy.lora is None or c.ray_address or c.num_nodes != 1:
+        return  # nothing written, or the engines start on other machines
+    if not os.access(TMPFS, os.W_OK):
+        return  # the engines then write to a temporary folder on disk (lora_serving.ServedAdapter)
+    problem = shm_problem(layout_of(cfg).gen_dp, adapter_bytes(model_dir, cfg.policy.lora),
+                          shutil.disk_usage(TMPFS).free, TMPFS)
+    if problem:
+        raise ConfigError(problem)
+
+
 # config section -> the modules it imports; the extra of the same name installs them
 _NEEDS = {"wandb": ("wandb",), "mlflow": ("mlflow",)}
 _DB_NEEDS = ("sqlalchemy", "alembic")  # MLflow's database stores (the default sqlite one included)
@@ -250,4 +306,5 @@ def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = Non
         warn_answer_format(cfg)
     if machine and generator:
         check_generation_memory(cfg, spec)
+        check_adapter_shm(cfg, model_dir)
     return tok

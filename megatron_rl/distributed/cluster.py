@@ -9,6 +9,11 @@ listens on all interfaces too (torch's behaviour, MASTER_ADDR notwithstanding). 
 
 One bundle per device: a GPU each on GPU machines, a CPU slot each on CPU machines. In colocated mode the policy rank
 and the generator share a bundle (fractional resources); in disaggregated mode each gets its own bundles.
+
+Several nodes: the layout (`parallel_dims`) gives each TP group and each engine consecutive slots, assuming that they
+share a node; Ray's PACK strategy packs onto few nodes but promises no order of bundles over nodes and splits a group
+where a node has an odd number free. So the slots are the bundles in node order (`node_order`, from the placement
+group table), and `check_same_node` refuses a group that still spans nodes, before any actor starts.
 """
 from __future__ import annotations
 
@@ -84,17 +89,52 @@ def shutdown_ray() -> None:
         ray.shutdown()
 
 
+def node_order(bundle_nodes: list[str]) -> list[int]:
+    """Bundle indices grouped by node (nodes in order of their first bundle, bundles in index order within a node):
+    slot i of the layout is bundle `node_order(...)[i]`, so consecutive slots share a node wherever the node sizes
+    allow."""
+    first = {}
+    for i, n in enumerate(bundle_nodes):
+        first.setdefault(n, i)
+    return sorted(range(len(bundle_nodes)), key=lambda i: (first[bundle_nodes[i]], i))
+
+
 @dataclass
 class Placement:
-    """A placement group and how actors share its bundles."""
+    """A placement group and how actors share its bundles. Callers name layout slots; `order` maps them to the
+    group's bundles (node order, module doc)."""
     pg: object  # ray.util.placement_group.PlacementGroup
     num_bundles: int
     device_key: str  # "GPU" or "CPU"
+    order: list[int] | None = None  # slot -> bundle index; None: the identity
+    bundle_nodes: list[str] | None = None  # node id of each bundle (index = bundle index)
+
+    def bundle(self, slot: int) -> int:
+        return slot if self.order is None else self.order[slot]
+
+    def slot_nodes(self) -> list[str] | None:
+        return None if self.bundle_nodes is None else [self.bundle_nodes[self.bundle(s)] for s in range(self.num_bundles)]
+
+    def check_same_node(self, groups: dict[str, list[int]]) -> None:
+        """RuntimeError naming every group of slots (`DeviceLayout.node_groups`) placed on more than one node."""
+        nodes = self.slot_nodes()
+        if nodes is None:
+            return
+        bad = []
+        for name, slots in groups.items():
+            where = {s: nodes[s][:8] for s in slots if s < len(nodes)}
+            if len(set(where.values())) > 1:
+                bad.append(f"{name}: slots {slots} on nodes {where}")
+        if bad:
+            raise RuntimeError("the placement group split device groups that must share a node (Ray packed the "
+                               "bundles over nodes with free devices in other counts; free whole nodes, or choose "
+                               "policy.tp / generation.tp dividing cluster.devices_per_node): " + "; ".join(bad))
 
     def strategy(self, bundle_index: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=bundle_index,
+        return PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                placement_group_bundle_index=self.bundle(bundle_index),
                                                 placement_group_capture_child_tasks=True)
 
     def actor_resources(self, share: float) -> dict:
@@ -127,7 +167,9 @@ class Placement:
         if self.device_key != "GPU":
             raise ValueError(f"generation.tp={len(bundles)}: engines span several devices only on GPUs (the CPU "
                              "engine runs in-process with tp=1)")
-        env.update(VLLM_RAY_BUNDLE_INDICES=",".join(str(b) for b in bundles), VLLM_RAY_PER_WORKER_GPUS=str(share))
+        # vLLM's executor places its workers by the placement group's own bundle indices
+        env.update(VLLM_RAY_BUNDLE_INDICES=",".join(str(self.bundle(b)) for b in bundles),
+                   VLLM_RAY_PER_WORKER_GPUS=str(share))
         return dict(num_gpus=0, num_cpus=0, scheduling_strategy=self.strategy(bundles[0])), env
 
 
@@ -146,4 +188,6 @@ def reserve(num_bundles: int, *, timeout_s: float = 120.0, name: str = "megatron
         ray.util.remove_placement_group(pg)
         raise RuntimeError(f"could not reserve {num_bundles} x {key} within {timeout_s:.0f}s "
                            f"(cluster has {available.get(key, 0)} {key} free)")
-    return Placement(pg=pg, num_bundles=num_bundles, device_key=key)
+    table = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    nodes = [table[i] for i in range(num_bundles)]
+    return Placement(pg=pg, num_bundles=num_bundles, device_key=key, order=node_order(nodes), bundle_nodes=nodes)

@@ -133,6 +133,19 @@ class DeviceLayout:
         """Placement-group bundles to reserve: colocated engines share the policy's, disaggregated ones add theirs."""
         return self.policy.world_size + (0 if self.colocated else self.gen_devices)
 
+    def node_groups(self) -> dict[str, list[int]]:
+        """Bundles that must sit on one node: each policy TP group (NVLink-bound all-reduces in every layer) and each
+        engine (vLLM's tensor parallelism); PP stages and DP replicas may span nodes."""
+        p, out = self.policy, {}
+        for pp in range(p.pp):
+            for dp in range(p.dp):
+                if p.tp > 1:
+                    out[f"policy TP group (dp={dp}, pp={pp})"] = p.ranks_where(dp=dp, pp=pp)
+        for i, bundles in enumerate(self.engines):
+            if len(bundles) > 1:
+                out[f"engine {i} (generation.tp={self.gen_tp})"] = bundles
+        return out
+
 
 def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
                   gen_dp: int | None, max_staleness: int = 0, ep: int = 1, teacher: bool = False) -> DeviceLayout:

@@ -8,10 +8,10 @@ platforms (see `sleep`); only the GPU worker's memory release has not run here (
 A plain class on purpose: the Ray layer wraps it in an actor; nothing here knows about Ray.
 
 Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, which in vLLM 0.32 is log_softmax of the
-logits after temperature scaling (and after top-k/top-p masking, which the worker extension undoes, see
-`worker_extension._install_untruncated_logprobs`). So each returned logprob is log_softmax(logits / T)[token], the
-quantity the trainer recomputes; the default `raw_logprobs` would be log_softmax(logits) regardless of T. Greedy
-requests (T=0) return log_softmax(logits).
+logits after temperature scaling (and after top-k/top-p masking, which the worker extension undoes for the V1 and the
+V2 model runner's sampler, see `worker_extension._install_untruncated_logprobs`). So each returned logprob is
+log_softmax(logits / T)[token], the quantity the trainer recomputes; the default `raw_logprobs` would be
+log_softmax(logits) regardless of T. Greedy requests (T=0) return log_softmax(logits).
 """
 from __future__ import annotations
 
@@ -179,15 +179,20 @@ class VLLMGenerator(Generator):
         self._optional_names = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
 
     # -------------------------------------------------------------------------------------------------- generation
+    def _check_filtering(self, temperature: float, top_p: float, top_k: int | None) -> None:
+        """Refuse top-k/top-p where the worker extension could not hook the engine's sampler: its logprobs would be
+        renormalised over the kept tokens, not the log_softmax(logits / T) the trainer recomputes."""
+        filtering = (top_k is not None and top_k > 0) or top_p < 1.0
+        if filtering and temperature > 0 and not self._untruncated_logprobs:
+            raise ValueError("top-k/top-p sampling is not supported by this vLLM runner with untruncated logprobs; "
+                             "use top_k=-1, top_p=1.0")
+
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float, top_k: int,
                  max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> GenerationResult:
         from vllm import SamplingParams
 
         self._check_usable()
-        filtering = (top_k is not None and top_k > 0) or top_p < 1.0
-        if filtering and temperature > 0 and not self._untruncated_logprobs:
-            raise ValueError("top-k/top-p sampling is not supported by this vLLM runner with untruncated logprobs; "
-                             "use top_k=-1, top_p=1.0")
+        self._check_filtering(temperature, top_p, top_k)
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0 else 0,
             max_tokens=max_tokens, stop=list(stop) if stop else None, seed=seed, logprobs=0,
@@ -234,6 +239,7 @@ class VLLMGenerator(Generator):
         # both, and the CPU tests (tests/integration/test_multiturn.py, in-process and through the Ray actor) check
         # what this code does with them: the order of turns, the keys, the abort on failure.
         self._check_usable()
+        self._check_filtering(temperature, top_p, top_k)
         engine = self._llm.llm_engine
         for key, prompt, max_tokens in requests:
             params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0

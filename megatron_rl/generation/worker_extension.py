@@ -8,6 +8,7 @@ travel through the transport instead. Method names carry an `mrl_` prefix so the
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -21,15 +22,23 @@ from megatron_rl.weights.transport import open_buckets, verify_after_load
 def _install_untruncated_logprobs(sampler) -> bool:
     """Make the returned logprobs log_softmax(logits / T) even when top-k/top-p filtering is active.
 
-    With `logprobs_mode="processed_logprobs"` vLLM 0.32's (V1 runner) sampler returns log_softmax of the logits after
+    With `logprobs_mode="processed_logprobs"` both of vLLM 0.32's samplers return log_softmax of the logits after
     temperature AND after top-k/top-p masking, i.e. log-probs renormalised over the kept tokens. Without filtering that
-    is exactly log_softmax(logits / T); with filtering it is not what the trainer recomputes. The top-k/top-p module
-    receives the temperature-scaled logits before it masks them (in place), so we take the log-softmax there first.
-    Returns False when the sampler has no such module (e.g. vLLM's V2 model runner): the generator then refuses
-    top-k/top-p requests instead of returning differently-defined logprobs.
+    is exactly log_softmax(logits / T); with filtering it is not what the trainer recomputes, so each sampler gets a
+    hook that hands back the logits as they were just before the mask. vLLM picks the sampler by model runner: the V1
+    runner (CPU, or GPU without Triton) has a `topk_topp_sampler` module; the V2 runner, vLLM's default on GPU, has
+    none and masks inside `Sampler._sample_random`. Returns False for a sampler neither hook fits: the generator then
+    refuses top-k/top-p requests instead of returning differently-defined logprobs.
     """
-    module = getattr(sampler, "topk_topp_sampler", None)
-    if module is None or not callable(getattr(module, "forward", None)):
+    if getattr(sampler, "topk_topp_sampler", None) is not None:
+        return _install_untruncated_v1(sampler.topk_topp_sampler)
+    return _install_untruncated_v2(sampler)
+
+
+def _install_untruncated_v1(module) -> bool:
+    """V1 runner: the top-k/top-p module receives the temperature-scaled logits before it masks them (in place), so
+    the log-softmax is taken there first."""
+    if not callable(getattr(module, "forward", None)):
         return False
     if getattr(module, "_mrl_untruncated", False):
         return True
@@ -43,6 +52,42 @@ def _install_untruncated_logprobs(sampler) -> bool:
 
     module.forward = forward  # nn.Module.__call__ dispatches to the instance attribute
     module._mrl_untruncated = True
+    return True
+
+
+_V2_SAMPLE_ARGS = ("processed_logits", "top_k", "top_p", "use_fused_sampler")
+
+
+def _install_untruncated_v2(sampler) -> bool:
+    """V2 runner (`vllm/v1/worker/gpu/sample/sampler.py`): `sample` applies temperature, then `_sample_random`
+    masks the logits (in place with Triton) and returns the masked tensor, from which `__call__` computes the
+    logprobs (`compute_topk_scores` takes the log-softmax itself). Returning a copy taken before the mask gives
+    log_softmax(logits / T) while the token is still drawn from the masked logits."""
+    original = getattr(sampler, "_sample_random", None)
+    if original is None or getattr(sampler, "_mrl_untruncated", False):
+        return original is not None
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        return False
+    if not all(a in signature.parameters for a in _V2_SAMPLE_ARGS):
+        return False  # a sampler of another shape: refuse filtering rather than guess
+    if getattr(sampler, "return_sampling_mask", False):
+        return False  # vLLM builds its sampling mask from the masked logits this hook would replace
+
+    def _sample_random(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        a = bound.arguments
+        # no filter in the batch: nothing is masked. The fused samplers (FlashInfer, XPU) draw without masking the
+        # tensor and are only chosen when no processed logprobs are asked for.
+        if (a["top_k"] is None and a["top_p"] is None) or a["use_fused_sampler"]:
+            return original(*args, **kwargs)
+        before_mask = a["processed_logits"].clone()
+        sampled, _ = original(*bound.args, **bound.kwargs)
+        return sampled, before_mask
+
+    sampler._sample_random = _sample_random  # an instance attribute shadows the class's method
+    sampler._mrl_untruncated = True
     return True
 
 
@@ -73,13 +118,14 @@ class RefitWorkerExtension:
         """Receive a refused collective update and drop it, so the exporters' broadcast completes."""
         receiver = getattr(self, "_mrl_receiver", None)
         if receiver is not None:
-            receiver.receive(RefitHandle.from_dict(handle))
+            receiver.drain(RefitHandle.from_dict(handle))
 
     def mrl_apply_refit(self, handle: dict) -> dict:
         """Validate the update's bytes, then load it: on CPU into the packed layers through `ResidentCpuReloader`,
         elsewhere through vLLM's in-place `reload_weights` (layer by layer, then each layer's post-load processing).
 
-        `open_buckets` checks every bucket (sizes, stamps) before returning; a bad update is refused with the old
+        `open_buckets` checks every bucket (sizes, stamps) before returning (the in-band transports; the collective
+        one streams, a bucket at a time, after the driver's manifest check); a bad update is refused with the old
         weights untouched. The refusal is returned, not raised, so it reaches the driver as the same plain message
         in-process and across vLLM's worker processes (where exceptions arrive re-wrapped). The driver has already
         checked the names against the model. A failure after loading began is raised: the weights are then undefined.
@@ -96,10 +142,13 @@ class RefitWorkerExtension:
         seen: set[str] = set()
 
         def weights():
-            for bucket in buckets:
-                for name, tensor in bucket:
-                    seen.add(name)
-                    yield name, tensor
+            try:
+                for bucket in buckets:
+                    for name, tensor in bucket:
+                        seen.add(name)
+                        yield name, tensor
+            finally:  # collective: buckets stream in as they are loaded; one left unread must still be received
+                getattr(buckets, "close", lambda: None)()
 
         reloader = self._mrl_reloader()
         if reloader is not None:

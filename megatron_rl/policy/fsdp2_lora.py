@@ -99,12 +99,25 @@ def install(lm: nn.Module, layers: nn.ModuleList, lora_cfg, seed: int, tp_mesh=N
     return out
 
 
+def _initial_a(path: str, shape, seed: int) -> torch.Tensor:
+    """PEFT's default start of A: U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5)); B starts at zero."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
+    return (torch.rand(tuple(shape), generator=g) * 2 - 1) * (1.0 / math.sqrt(shape[1]))
+
+
 @torch.no_grad()
 def _initial(ad: HFAdapter, seed: int) -> None:
-    """PEFT's default start: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with a = sqrt(5)), B = 0."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(ad.path.encode()))
-    bound = 1.0 / math.sqrt(ad.A.shape[1])
-    ad.A.copy_((torch.rand(ad.A.shape, generator=g) * 2 - 1) * bound)
+    ad.A.copy_(_initial_a(ad.path, ad.A.shape, seed))  # on a meta model, again after fully_shard (initial_values)
+
+
+def initial_values(adapters: list[HFAdapter], seed: int) -> dict[str, torch.Tensor]:
+    """{HF-relative name: full initial tensor} of every adapter, for `fsdp2_load.load_shards` (the same on every
+    rank, so every DP/TP layout starts from the same adapters)."""
+    out = {}
+    for ad in adapters:
+        out[f"{ad.path}.lora.A"] = _initial_a(ad.path, ad.A.shape, seed)
+        out[f"{ad.path}.lora.B"] = torch.zeros(tuple(ad.B.shape))
+    return out
 
 
 def _split(ad: HFAdapter, linear: nn.Linear, tp_mesh) -> None:
@@ -128,9 +141,10 @@ def _peft(param_name: str, prefix: str) -> str:
 
 
 @torch.no_grad()
-def adapter_state(model: nn.Module, prefix: str, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every adapter (or its gradient) at full shape in PEFT's names, on the CPU, on every rank (collective over
-    all ranks: each tensor is gathered over dp x tp)."""
+def adapter_state(model: nn.Module, prefix: str, grads: bool = False, on_host: bool = True) -> dict[str, torch.Tensor]:
+    """Every adapter (or its gradient) at full shape in PEFT's names, in fp32 on the CPU (`on_host=False`: on the
+    adapters' device, for the merge, `lora.merged`), on every rank (collective over all ranks: each tensor is
+    gathered over dp x tp)."""
     out = {}
     for name, p in model.named_parameters():
         if ADAPTER_KEY in name:
@@ -138,7 +152,7 @@ def adapter_state(model: nn.Module, prefix: str, grads: bool = False) -> dict[st
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
             # a copy: a gather over one shard (a replicated adapter) is the parameter itself, which the next step
             # changes in place
-            out[_peft(name, prefix)] = full.detach().to("cpu", torch.float32, copy=True)
+            out[_peft(name, prefix)] = full.detach().to("cpu" if on_host else full.device, torch.float32, copy=True)
     return out
 
 

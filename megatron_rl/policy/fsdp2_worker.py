@@ -52,7 +52,7 @@ from megatron_rl.models.checkpoint import FSDP2_PREFIX
 from megatron_rl.models.hf_layers import decoder_layers
 from megatron_rl.models.hf_masks import hf_attention_mask, layer_mask_kinds
 from megatron_rl.platform import get_platform
-from megatron_rl.policy import batching, fsdp2_lora, packing
+from megatron_rl.policy import batching, fsdp2_load, fsdp2_lora, packing
 from megatron_rl.policy.forward_pass import join_process_group
 from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, parallelize, vocab_slice
 from megatron_rl.policy.grad_ops import build_scheduler
@@ -127,7 +127,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
     def setup(self) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         cfg, plat = self.cfg, get_platform()
         self.device = join_process_group(self._local_rank(self.rank))
@@ -146,8 +146,10 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         # sdpa (transformers' default) has no attention-score soft-capping: a capped model (Gemma-2) would train a
         # different function than the one vLLM serves; eager applies the cap
         capped = getattr(AutoConfig.from_pretrained(self.model_dir), "attn_logit_softcapping", None)
-        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32,
-                                                  **({"attn_implementation": "eager"} if capped else {}))
+        attn = {"attn_implementation": "eager"} if capped else {}
+        # built on `meta`, split and sharded there, then each rank fills its own shards (policy/fsdp2_load.py): no
+        # rank ever holds the whole model on the device, nor in fp32 on the host
+        lm = fsdp2_load.skeleton(self.model_dir, **attn)
         lm.config.use_cache = False
         # transformers builds the embedding with padding_idx = config.pad_token_id, whose row then never gets a
         # gradient; SmolLM2's pad is <|im_end|>, a token of every chat prompt, which megatron (and vLLM) treat as any
@@ -159,7 +161,6 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))
         self.varlen = cfg.packing == "varlen"  # auto is none on this backend (config loader)
         self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen else None
-        lm.to(self.device)
         # hooks before FSDP wraps the layers (they stay on the router modules); None: no load-balancing loss
         self.router = RouterLogits(lm) if cfg.moe_aux_loss_coef > 0 else None
         if cfg.activation_recompute:  # each decoder layer's activations recomputed in its backward (HF's own hook,
@@ -184,6 +185,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+        fsdp2_load.load_shards(self.model, ROOT, self.model_dir, self.device,
+                               None if self.lora is None else fsdp2_lora.initial_values(self.lora, cfg.seed), **attn)
         self._build_optimizer()
         # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them;
         # with LoRA the base itself, adapters off (no copy)
@@ -362,7 +365,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         dtype = dtype or self.dtype
         items = self._full_weights()
         if self.lora is not None:
-            items = merged(items, fsdp2_lora.merges(self.lora, fsdp2_lora.adapter_state(self.model, ROOT)))
+            items = merged(items, fsdp2_lora.merges(self.lora, fsdp2_lora.adapter_state(self.model, ROOT,
+                                                                                        on_host=False)))
         bucket, size = [], 0
         for name, w, local in items:
             for disk_name, t in self._disk_tensors(name, w.detach()):

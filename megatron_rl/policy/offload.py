@@ -41,11 +41,16 @@ def _byte_view(owner: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 class DeviceStateOffloader:
     """Offload/restore the storages of a set of tensors; the set is re-collected at each offload (optimizer state
-    appears after the first step). Host buffers are kept between handovers and reused when the sizes match."""
+    appears after the first step). Host buffers are kept between handovers and reused when the sizes match.
+
+    The pool is keyed by size alone: a host buffer only holds bytes between an offload and its restore, so any
+    buffer of the right size serves any storage. Keying by the tensor's identity never hit for callers that pass
+    fresh views each time (FSDP2's `DTensor.to_local()` returns a new object at every call), and pinned host memory
+    was allocated anew at every handover."""
 
     def __init__(self):
         self._moved: list[_Moved] = []
-        self._host_pool: dict[tuple[int, int], torch.Tensor] = {}  # (id(owner), nbytes) -> host buffer
+        self._host_pool: dict[int, list[torch.Tensor]] = {}  # nbytes -> host buffers of that size
 
     @property
     def offloaded(self) -> bool:
@@ -59,6 +64,8 @@ class DeviceStateOffloader:
         plat = get_platform()
         seen: set[int] = set()
         moved: list[_Moved] = []
+        free = {n: list(bufs) for n, bufs in self._host_pool.items()}  # last handover's buffers, not yet reused
+        pool: dict[int, list[torch.Tensor]] = {}
         for tensors, keep_contents in ((keep, True), (drop, False)):
             for t in tensors:
                 st = t.untyped_storage()
@@ -68,19 +75,15 @@ class DeviceStateOffloader:
                 seen.add(st.data_ptr())
                 host = None
                 if keep_contents:
-                    key = (id(t), nbytes)
-                    host = self._host_pool.get(key)
-                    if host is None:
-                        host = plat.host_buffer(nbytes)
-                        self._host_pool[key] = host
+                    host = free[nbytes].pop() if free.get(nbytes) else plat.host_buffer(nbytes)
+                    pool.setdefault(nbytes, []).append(host)
                     host.copy_(_byte_view(t, nbytes), non_blocking=True)
                 moved.append(_Moved(t, nbytes, host))
         # the copies must have landed before the device memory can be reused by someone else
         plat.synchronize()
         for m in moved:
             m.owner.untyped_storage().resize_(0)
-        live = {(id(m.owner), m.nbytes) for m in moved}
-        self._host_pool = {k: v for k, v in self._host_pool.items() if k in live}  # forget vanished tensors
+        self._host_pool = pool  # buffers no storage used this time (vanished tensors) are freed
         self._moved = moved
         plat.release_cached_memory()
         return sum(m.nbytes for m in moved)
@@ -100,7 +103,7 @@ class DeviceStateOffloader:
         return n
 
     def host_bytes(self) -> int:
-        return sum(h.numel() for h in self._host_pool.values())
+        return sum(h.numel() for bufs in self._host_pool.values() for h in bufs)
 
 
 def resident_bytes(tensors: list[torch.Tensor]) -> int:

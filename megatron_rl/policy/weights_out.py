@@ -68,12 +68,13 @@ class WeightsOut:
                      senders: list[int] | None = None) -> dict | None:
         """Export through a refit transport. In-band with `senders` (global ranks): those ranks export the whole
         model and return their handle; collective (or in-band without senders): each stage's exporting rank returns
-        its stage's handle (collective: the manifest of the staged buckets, sent by `broadcast_refit`). Collective
-        over TP (and over PP when a sender needs other stages): every rank must call it."""
+        its stage's handle (collective: the manifest of the stage's buckets, which `broadcast_refit` exports again and
+        sends). Collective over TP (and over PP when a sender needs other stages): every rank must call it."""
         from megatron_rl.weights.collective import TRANSPORT as COLLECTIVE
         from megatron_rl.weights.transport import make_sender
 
         if senders is None or transport == COLLECTIVE:
+            self._collective_bucket_bytes = bucket_bytes  # broadcast_refit's export: the same buckets
             exporter = self._is_exporter()
             buckets = self.export_weights(bucket_bytes)  # collective over TP: every TP rank must iterate it
         else:
@@ -159,13 +160,19 @@ class WeightsOut:
         self._collective = CollectiveSender(open_group(ep["host"], ep["port"], 0, world_size), stage, self.device)
 
     def broadcast_refit(self) -> int:
-        """Send the buckets staged by the last `send_weights` to every engine (they receive meanwhile)."""
+        """Export the stage again and send it, a bucket at a time, to every engine (they receive meanwhile): the
+        buckets the last `send_weights` described. Collective over TP like the export: every rank calls it."""
+        buckets = self.export_weights(self._collective_bucket_bytes)
         sender = getattr(self, "_collective", None)
-        return sender.broadcast() if sender is not None else 0
+        if sender is None:
+            for _ in buckets:
+                pass
+            return 0
+        return sender.broadcast(buckets)
 
     def release_refit(self) -> None:
         """The generator has loaded the last update: free what the transport kept for it (CUDA IPC and the
-        collective transport: a flat device copy of the stage's weights, which must not stay allocated)."""
+        the manifest of the collective transport's)."""
         for sender in (getattr(self, "_refit_sender", None), getattr(self, "_collective", None)):
             if sender is not None:
                 sender.release()
@@ -197,8 +204,10 @@ class WeightsOut:
             raise ValueError("save_adapter() / adapter_update() need policy.lora (this policy trains every weight)")
         self._require_resident("export the adapters", weights_enough=True)
         state = self._adapter_state()
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, state if self._is_exporter() else None)  # small: rank-r matrices only
+        # to rank 0 only, the one that answers: an all-gather would give every rank a copy of every stage's adapters
+        # (7B all-linear at rank 64: ~650 MB in fp32 per rank)
+        parts = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(state if self._is_exporter() else None, parts, dst=0)
         if self.rank != 0:
             return None
         merged = {k: v for part in parts if part for k, v in part.items()}

@@ -27,7 +27,8 @@ from megatron_rl.weights.shared_memory import SharedMemorySender, map_shared_mem
 def open_buckets(handle: RefitHandle, device: torch.device, receiver: CollectiveReceiver | None = None):
     """Receiver entry point: the buckets of `handle` as `(name, tensor)` lists, validated as far as the transport
     allows before the first tensor is handed out (shared memory: all sizes and stamps; CUDA IPC: all sizes;
-    collective: every bucket received in full). An in-band handle made on another device is refused before any
+    collective: none, each bucket is received as the previous one is taken, `collective.CollectiveReceiver`, after the
+    driver checked the manifest). An in-band handle made on another device is refused before any
     byte is read (routing.py: the CPU refuses another slot's as a GPU cannot open another GPU's buffers)."""
     if handle.transport in ("shared_memory", "cuda_ipc") and handle.device is not None:
         mine = get_platform().device_identity(device)

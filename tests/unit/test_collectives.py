@@ -38,7 +38,7 @@ ALLOWED = {
     ("megatron_rl/models/mapping.py", "iter_hf_tensors", "all_gather"): _MODEL_DEVICE + " (TP parameter shards)",
     ("megatron_rl/models/lora.py", "adapter_state.gather", "all_gather"):
         _MODEL_DEVICE + " (TP shards of the LoRA adapters, gathered from the parameters themselves)",
-    ("megatron_rl/policy/weights_out.py", "WeightsOut.adapter_update", "all_gather_object"): _OBJECT,
+    ("megatron_rl/policy/weights_out.py", "WeightsOut.adapter_update", "gather_object"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "_bcast", "broadcast_object_list"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "_gather", "all_gather_object"): _OBJECT,
     ("megatron_rl/models/checkpoint.py", "save_checkpoint", "barrier"): "no tensor of ours: torch places the barrier's",
@@ -61,6 +61,9 @@ ALLOWED = {
     ("megatron_rl/policy/fsdp2_tp.py", "_ReduceFromTP.forward", "all_reduce"):
         _MODEL_DEVICE + " (an FSDP2 student's top-k distillation logits at the teacher's ids, or a row-parallel LoRA "
                         "adapter's A x: each TP rank's partial)",
+    ("megatron_rl/policy/fsdp2_load.py", "load_shards", "broadcast"):
+        "each full tensor is made on the worker's device (`device`, the rank's GPU under NCCL) before the broadcast",
+    ("megatron_rl/policy/fsdp2_load.py", "load_shards", "broadcast_object_list"): _OBJECT,
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }

@@ -2,6 +2,7 @@
 `distillation:` config section's checks (config/distillation.py)."""
 import json
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -215,6 +216,24 @@ def test_an_fsdp2_student_distils_from_a_megatron_teacher(topk):
     teacher = teacher_policy_config(cfg)
     assert cfg.policy.backend == "fsdp2" and cfg.distillation.topk == topk
     assert teacher.backend == "megatron" and teacher.model == "/some/teacher" and teacher.tp == 2
+
+
+@pytest.mark.parametrize("device, want", [("cuda", "varlen"), ("cpu", "none")])
+def test_an_fsdp2_students_teacher_packs_as_the_megatron_backend_does(device, want):
+    """The fsdp2 student's resolved packing is none (its own rule); its megatron teacher takes megatron's `auto`, the
+    platform's default (varlen on GPU: fused attention instead of an explicit [t, t] mask). A megatron student's
+    packing, chosen or resolved, is the teacher's too."""
+    from megatron_rl.config.distillation import teacher_policy_config
+    from megatron_rl.platform import Platform
+
+    platform = Platform(device, "nccl" if device == "cuda" else "gloo", torch.bfloat16, "torch", "shared_memory",
+                        "collective", False)
+    fsdp2 = _cfg(["distillation.teacher=/some/teacher", "policy.backend=fsdp2"])
+    megatron = _cfg(["distillation.teacher=/some/teacher", "policy.packing=none"])
+    assert fsdp2.policy.packing == "none"
+    with mock.patch("megatron_rl.platform.get_platform", lambda: platform):
+        assert teacher_policy_config(fsdp2).packing == want
+        assert teacher_policy_config(megatron).packing == "none"  # the user's choice for a megatron model
 
 
 def test_a_teacher_of_a_family_megatron_does_not_build_is_refused_naming_the_key(tmp_path):

@@ -1,4 +1,6 @@
-"""bench/gpu_check.py --dry-run: the GPU check's code paths on CPU (what CI can run of it), in a fresh process.
+"""bench/gpu_check.py --dry-run: the GPU check's code paths on CPU (what CI can run of it), in a fresh process; and
+the same dry run importing only what the lent GPU machine has (a Python 3.12 standard library, the distributions the
+script names as preinstalled or carried, with their requirements, and the project), every other import refused.
 
 The device run itself happens on a lent GPU machine; this keeps its script from rotting between those runs.
 """
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ("train", "varlen_train", "logprob_kernel", "offload", "handover_memory", "ipc_refit", "ray_placement",
+SECTIONS = ("train", "varlen_train", "logprob_kernel", "kernel_checks", "offload", "handover_memory", "ipc_refit", "ray_placement",
             "save_after_handover", "fsdp2_train")
 
 
@@ -28,15 +30,20 @@ def _numbers(obj, path=""):
         yield path, obj
 
 
-def test_gpu_check_dry_run(tmp_path):
+def _dry_run(tmp_path, env_extra=None, sections=None):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out),
-                           "--work-dir", str(tmp_path / "work")],
+                           "--work-dir", str(tmp_path / "work"), *(["--sections", *sections] if sections else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report
+
+
+def test_gpu_check_dry_run(tmp_path):
+    proc, report = _dry_run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
     assert proc.stdout.rstrip().endswith(json.dumps(report, indent=2))  # the same JSON, last on stdout
     assert report["mode"] == "dry_run" and report["device_type"] == "cpu" and report["ok"] is True
     for key in ("torch", "triton", "megatron-core"):
@@ -69,14 +76,15 @@ def test_gpu_check_dry_run(tmp_path):
             assert set(r["rel"]) == {"out", "dq", "dk", "dv"} and not r["over_bound"], (row, dt, r)
             assert max(r["rel"].values()) <= r["bound"] == {"float32": 1e-4, "bfloat16": 2e-2}[dt], (row, dt, r)
 
-    f = sections["fsdp2_train"]  # the second backend on the same model: the megatron worker's numbers, in bf16
-    assert f["max_logprob_diff_vs_megatron"] < 0.1 and f["mean_logprob_diff_vs_megatron"] < 0.02
+    f = sections["fsdp2_train"]  # the second backend on the same model, bf16, against HF's fp32 log_softmax
+    assert f["max_logprob_diff_vs_hf"] < 0.1 and f["mean_logprob_diff_vs_hf"] < 0.02
     assert 0 <= train["num_params"] - f["num_params"] < 128 * 96  # megatron's vocab padding rows (hidden 96)
     assert all(math.isfinite(x) for x in f["loss"])
 
     k = sections["logprob_kernel"]
     assert k["impl"] == "triton" and k["interpreted"]  # the Triton interpreter ran the GPU kernel's code on CPU
     assert k["logprob_max_abs_err"] < 1e-3
+    assert sections["kernel_checks"] == {"sizes": "small", "failures": 0, "wall_s": sections["kernel_checks"]["wall_s"]}
 
     off = sections["offload"]
     assert off["device_bytes_before"] > 0
@@ -97,7 +105,7 @@ def test_gpu_check_dry_run(tmp_path):
     ray = sections["ray_placement"]  # Ray is in the CPU environment: two logical GPUs, a policy + engine actor each
     assert ray["device_key"] == "GPU" and ray["pairs_share_device"] and ray["bundles_distinct"]
     assert len(ray["actors"]) == 4 and all(len(a["gpu_ids"]) == 1 for a in ray["actors"])
-    assert report["skipped"] == []
+    assert report["failed"] == []
     save = sections["save_after_handover"]
     assert save["loaded_equals_saved"] and save["weights_moved_by_step"] and save["bytes"] > 0
 
@@ -114,3 +122,86 @@ def test_packed_op_over_its_bound_fails_the_section(monkeypatch):
     assert all(not checks[row]["float32"]["over_bound"] for row in ("cascade_op", "varlen_op"))
     over = gv.over_bounds(checks)
     assert len(over) == 8 and all(" bfloat16 " in line and "> 1e-06" in line for line in over), over
+
+
+# removed from the standard library by Python 3.12 (the lent machine's): refused here too (not distutils: setuptools,
+# a requirement of torch, provides it there, and torch.utils.cpp_extension imports it through setuptools)
+_GONE_IN_312 = {"imp", "asynchat", "asyncore", "smtpd"}
+_PROJECT = {"megatron_rl", "kernels", "bench", "tests"}
+_BLOCKER = '''
+import json, os, site, sys
+_ALLOWED = set(json.loads(os.environ["GPU_CHECK_ALLOWED"]))
+_SITES = [os.path.join(d, "") for d in site.getsitepackages()]
+
+
+def _vendored(spec) -> bool:
+    """Inside an allowed distribution's own folder (setuptools puts its _vendor folder on sys.path: jaraco, ...)."""
+    origin = spec.origin or next(iter(spec.submodule_search_locations or []), "")
+    return any(origin.startswith(d) and origin[len(d):].split(os.sep, 1)[0] in _ALLOWED for d in _SITES)
+
+
+class _Gate:  # wraps each finder of sys.meta_path: a refused top-level name is not found, as if not installed
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        spec = self.finder.find_spec(name, path, target)
+        if spec is None or top in _ALLOWED or top.startswith("_sysconfigdata_") or _vendored(spec):
+            return spec
+        with open(os.environ["GPU_CHECK_REFUSED"], "a") as f:  # installed here, absent there
+            f.write(name + "\\n")
+        return None
+
+    def __getattr__(self, attr):
+        return getattr(self.finder, attr)
+
+
+sys.meta_path[:] = [_Gate(f) if hasattr(f, "find_spec") else f for f in sys.meta_path]
+'''
+
+
+def _machine_imports() -> set[str]:
+    """Top-level import names of the script's PREINSTALLED + CARRIED distributions and their requirements (what
+    pip download brings), the 3.12 standard library and the project."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    from bench.gpu_check import CARRIED, PREINSTALLED
+
+    todo, dists = list(PREINSTALLED + CARRIED), set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in dists:
+            continue
+        dists.add(name)
+        for line in md.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    tops = {top for top, owners in md.packages_distributions().items()
+            if any(canonicalize_name(d) in dists for d in owners)}
+    return tops | (set(sys.stdlib_module_names) - _GONE_IN_312) | _PROJECT
+
+
+def test_dry_run_imports_only_what_the_gpu_machine_has(tmp_path):
+    """Every section runs with the machine's imports, but Ray, which is not carried: its section fails, naming the
+    import, instead of passing as skipped."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)  # every process the check starts (spawned ranks) inherits it
+    refused = tmp_path / "refused.txt"
+    allowed = _machine_imports()
+    assert "ray" not in allowed and {"torch", "triton", "megatron", "transformers", "safetensors"} <= allowed
+    env = {"GPU_CHECK_ALLOWED": json.dumps(sorted(allowed)), "GPU_CHECK_REFUSED": str(refused),
+           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    proc, report = _dry_run(tmp_path, env)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report is not None, log
+    assert "ray" in refused.read_text().split()  # the blocker was active
+    failed = {n: r["error"] for n, r in report["sections"].items() if "error" in r}
+    assert list(failed) == ["ray_placement"] and "ray" in failed["ray_placement"], (failed, log)
+    assert report["failed"] == ["ray_placement"] and report["ok"] is False and proc.returncode == 1
+    assert list(report["sections"]) == list(SECTIONS)

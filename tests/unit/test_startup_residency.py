@@ -1,0 +1,104 @@
+"""Start-up order of a colocated distillation run (issue 54, item 2): `build()` with its groups replaced by
+recorders, no Ray. Each group records the others' lifecycle state at the moment it sets up: the teacher must find
+the trainer offloaded (an 8B student's training state plus a 32B teacher do not fit one 80 GB device together), and
+every engine must find both offloaded (vLLM sizes its KV cache from the free memory)."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from megatron_rl import build as build_module
+from megatron_rl.config import load_config
+from megatron_rl.lifecycle import AWAKE, OFFLOADED, RESIDENT
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Group:
+    """A policy or teacher group as the handover sees it: set up (weights resident) when constructed."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self._state = name, log, RESIDENT
+
+    def offload(self):
+        self.log.append(("offload", self.name))
+        self._state = OFFLOADED
+
+    def onload(self):
+        self._state = RESIDENT
+
+    def state(self):
+        return self._state
+
+    def device_ids(self):
+        return ["slot-0"]
+
+
+@pytest.fixture
+def recorded(tmp_path):
+    cfg = load_config(REPO / "configs" / "distill_cpu.yaml", [f"output.dir={tmp_path}"], check_model=False)
+    assert cfg.cluster.colocated and cfg.distillation is not None
+    log: list[tuple] = []
+    groups: dict[str, _Group] = {}
+
+    def states():
+        return {n: g.state() for n, g in groups.items()}
+
+    def start_policy(*_a, **_k):
+        log.append(("setup", "policy", states()))
+        groups["policy"] = _Group("policy", log)
+        placement = SimpleNamespace(engine_placement=lambda bundles, share: ({}, {}))
+        return placement, groups["policy"], tmp_path
+
+    def start_teacher(*_a, **_k):
+        log.append(("setup", "teacher", states()))
+        groups["teacher"] = _Group("teacher", log)
+        return groups["teacher"]
+
+    class _Actor:
+        def options(self, **_k):
+            return self
+
+        def remote(self, *_a, **_k):
+            log.append(("setup", "engine", states()))
+            return object()
+
+    class _Pool:
+        state = AWAKE
+
+        def __init__(self, engines):
+            self.engines = [SimpleNamespace(name=f"generator-{i}") for i in range(len(engines))]
+
+        def pids(self):
+            return [0] * len(self.engines)
+
+        def device_ids(self):
+            return [["slot-0"]] * len(self.engines)
+
+    import ray
+
+    import megatron_rl.generation.actor as actor_module
+    import megatron_rl.generation.pool as pool_module
+    import megatron_rl.rewards.reward_fn as reward_module
+
+    with mock.patch.object(build_module, "preflight", lambda cfg: None), \
+            mock.patch.object(build_module, "resolve_model_dir", lambda m: tmp_path), \
+            mock.patch.object(build_module, "build_data", lambda cfg, tok: (None, None, [])), \
+            mock.patch.object(build_module, "start_policy", start_policy), \
+            mock.patch.object(build_module, "start_teacher", start_teacher), \
+            mock.patch.object(reward_module, "RewardFn", lambda *a: None), \
+            mock.patch.object(ray, "remote", lambda cls: _Actor()), \
+            mock.patch.object(actor_module, "RemoteGenerator", lambda actor, name, log: name), \
+            mock.patch.object(pool_module, "GeneratorPool", _Pool):
+        build_module.build(cfg, tmp_path)
+    return log
+
+
+def test_teacher_sets_up_after_the_trainer_left_the_device(recorded):
+    setups = {what: seen for kind, what, *rest in recorded if kind == "setup" for seen in rest}
+    assert setups["policy"] == {}
+    assert setups["teacher"] == {"policy": OFFLOADED}  # never resident together
+    assert setups["engine"] == {"policy": OFFLOADED, "teacher": OFFLOADED}
