@@ -10,6 +10,9 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# where an adapter-serving engine writes each LoRA adapter version (generation/lora_serving.py) and what the pre-flight
+# checks for free space (config/preflight.py: check_adapter_shm)
+SHM_DIR = "/dev/shm"
 
 
 def cache_dir() -> Path:

@@ -205,7 +205,7 @@ def check_adapter_shm(cfg: Config, model_dir: Path) -> None:
     import shutil
 
     from megatron_rl.distributed.parallel_dims import layout_of
-    from megatron_rl.generation.lora_serving import TMPFS
+    from megatron_rl.paths import SHM_DIR as TMPFS
 
     c = cfg.cluster
     if cfg.generation.lora_refit != "adapter" or cfg.policy.lora is None or c.ray_address or c.num_nodes != 1:

@@ -29,9 +29,10 @@ from pathlib import Path
 from megatron_rl.config.loader import VLLM_LORA_RANKS
 from megatron_rl.models.lora_targets import resolve_targets
 from megatron_rl.models.peft_folder import write_peft_files
+from megatron_rl.paths import SHM_DIR
 from megatron_rl.weights.manifest import RefitError
 
-TMPFS = "/dev/shm"
+TMPFS = SHM_DIR
 FOLDER_PREFIX = "mrl-lora-"  # + the engine process's pid: a dead process's folders are swept (`remove_orphans`)
 
 

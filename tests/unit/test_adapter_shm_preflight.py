@@ -50,20 +50,20 @@ def _config(tmp_path, model, dp=2):
 
 
 def test_preflight_refuses_a_small_dev_shm_in_one_line(tmp_path, qwen2):
-    import megatron_rl.generation.lora_serving as lora_serving
+    import megatron_rl.paths as paths
 
     cfg = _config(tmp_path, qwen2)
     need = 2 * 2 * _by_hand(qwen2, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     shm = tmp_path / "shm"
     shm.mkdir()
-    with mock.patch.object(lora_serving, "TMPFS", str(shm)), \
+    with mock.patch.object(paths, "SHM_DIR", str(shm)), \
             mock.patch("shutil.disk_usage", lambda _p: Usage(need * 4, need * 3, need - 1)):
         with pytest.raises(ConfigError) as e:
             preflight.check_adapter_shm(cfg, qwen2)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("generation.lora_refit=adapter")
     assert f"= {need} bytes needed" in msg and f"has {need - 1} bytes free" in msg and str(shm) in msg
-    with mock.patch.object(lora_serving, "TMPFS", str(shm)), \
+    with mock.patch.object(paths, "SHM_DIR", str(shm)), \
             mock.patch("shutil.disk_usage", lambda _p: Usage(need * 4, need * 3, need)):
         preflight.check_adapter_shm(cfg, qwen2)  # exactly enough
 
