@@ -281,4 +281,38 @@ def _resume(rank, world_size, w, c, batch, ckpt_dir, extra=None) -> dict:
     with open(f"{ckpt_dir}/metadata.json") as f:
         meta = json.load(f)
     return {"extra": loaded, "steps": (w.step, w2.step), "m_a": m_a, "m_b": m_b, "meta": meta,
-            "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a))}
+            "same": None if rank else (set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)),
+            "full_disk": _save_on_a_full_disk(w2, ckpt_dir)}
+
+
+def _save_on_a_full_disk(w, ckpt_dir) -> dict:
+    """A save over the complete checkpoint at `ckpt_dir` whose shard writer fails with ENOSPC after rank 0 wrote part
+    of a shard (the fsdp2 row of test_faults.py's disk-full case, which runs with -m slow): the error reaches the
+    caller, the partial `.tmp-` folder is removed and the previous checkpoint still verifies."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.models.checkpoint import verify_checkpoint
+
+    real = dcp.save
+
+    def full_disk(state, checkpoint_id):
+        if dist.get_rank() == 0:
+            Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"part of a shard")
+        dist.barrier()  # both ranks fail after the partial write, as a full disk fails every writer
+        raise OSError(28, "No space left on device")
+
+    dcp.save = full_disk
+    try:
+        w.save(ckpt_dir)
+        error = None
+    except OSError as e:
+        error = str(e)
+    finally:
+        dcp.save = real
+    dist.barrier()
+    left = sorted(p.name for p in Path(ckpt_dir).parent.iterdir() if ".tmp-" in p.name)
+    return {"error": error, "partial_left": left, "previous_step": verify_checkpoint(ckpt_dir)["step"]}

@@ -137,6 +137,10 @@ def test_save_load_next_step_bit_identical(results):
     peak = "policy_peak_memory_gb"  # the process's peak so far, not a property of the step
     assert {k: v for k, v in r["m_a"].items() if k != peak} == {k: v for k, v in r["m_b"].items() if k != peak}
     assert r["same"] is True
+    for rank in results:  # a save that fails on a full disk: named, nothing partial kept, the previous one intact
+        full = rank["resume"]["full_disk"]
+        assert full["error"] and "No space left on device" in full["error"], full
+        assert full["partial_left"] == [] and full["previous_step"] == results[0]["ckpt_meta"]["step"], full
     meta = results[0]["ckpt_meta"]
     assert meta["backend"] == "fsdp2" and meta["layout"]["dp"] == 2 and meta["step"] == 2
 

@@ -104,7 +104,8 @@ class Chain:
 # The fsdp2 chain is opt-in (-m slow: six CLI runs, ~5 min on the AVX2 kind): every row's fault handling is the
 # driver's and Ray's, the same code for both backends, and what is fsdp2's own runs in the default tier elsewhere:
 # its checkpoint written, verified and resumed through the CLI, a truncated shard found and skipped
-# (test_resume_guard.py[fsdp2]), its save/load bit-identical at DP 2 and TP 2 (tests/distributed/test_fsdp2.py), its
+# (test_resume_guard.py[fsdp2]), its save/load bit-identical at DP 2 and TP 2 and its save on a full disk leaving
+# nothing partial (tests/distributed/test_fsdp2.py::test_save_load_next_step_bit_identical), its
 # save inside the step and its handover (test_lifecycle.py[fsdp2]), its NaN-step skip (the reward/NaN row below).
 @pytest.fixture(scope="module", params=["megatron", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def chain(request, model, tmp_path_factory):
