@@ -47,7 +47,8 @@ while [[ $# -gt 0 ]]; do
     # testmon records which code each test ran (coverage of the pytest process, not of Ray actors or launched ranks:
     # those tests are picked by the driver-side code they call) in .testmondata, and the next --changed run selects
     # the tests that ran changed code; the first run on a clone runs everything once to fill it.
-    --changed) args+=(--testmon) ;;
+    # forceselect: testmon otherwise ignores its selection whenever -m is given, and pytest.ini always gives one
+    --changed) args+=(--testmon-forceselect) ;;
     --profile) args+=(-p tests.tools.suite_profile "--suite-profile=$2"); shift ;;
     *) args+=("$1") ;;
   esac
