@@ -23,7 +23,7 @@ memory: the highest summed RSS of the side's whole process tree (for megatron-rl
 the policy worker), and of its largest process (the one that trains), sampled every 0.1 s by this script.
 
 --smoke: both algorithms and both sides on a tiny random Llama (bench/smoke_model.py), batch 2, one measured step
-each; prints the table and `smoke ok` (CI runs it: tests/unit/test_bench_smokes.py).
+each, both algorithms of a side in one process; prints the table and `smoke ok` (CI runs it: tests/unit/test_bench_smokes.py).
 """
 from __future__ import annotations
 
@@ -173,10 +173,13 @@ def tree_rss(pid: int) -> tuple[int, int]:
     return sum(rss), max(rss, default=0)
 
 
-def run_side(side: str, algo: str, args, data: Path) -> dict | None:
+def run_side(side: str, algo: str, args, data) -> dict | None:
+    """`side` on `algo` in a fresh subprocess; its result with the process tree's peak memory. Several algorithms
+    (algo "sft,dpo", data a list of files) in one process give {algo: result} (the smoke: one start-up per side)."""
+    data = ",".join(map(str, data)) if isinstance(data, (list, tuple)) else str(data)
     with tempfile.TemporaryDirectory(prefix=f"sft_dpo_vs_trl_{side}_") as tmp:
         res = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--side", side, "--algo", algo, "--data", str(data), "--result", str(res),
+        cmd = [sys.executable, __file__, "--side", side, "--algo", algo, "--data", data, "--result", str(res),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
                "--precision", args.precision, "--threads", str(args.threads), "--model", args.model]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -200,7 +203,9 @@ def run_side(side: str, algo: str, args, data: Path) -> dict | None:
         print(f"== {algo} / {side}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
         if rc != 0 or not res.exists():
             return None
-        return {**json.loads(res.read_text()), "peak_tree_gib": peak[0] / 2**30, "peak_proc_gib": peak[1] / 2**30}
+        peaks = {"peak_tree_gib": peak[0] / 2**30, "peak_proc_gib": peak[1] / 2**30}
+        r = json.loads(res.read_text())
+        return {a: {**x, **peaks} for a, x in r.items()} if "," in algo else {**r, **peaks}
 
 
 def summarize(r: dict | None, warmup: int, tokens: list[int]) -> dict | None:
@@ -247,7 +252,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)  # internal: one side, in-process
-    ap.add_argument("--algo", choices=("sft", "dpo"), help=argparse.SUPPRESS)
+    ap.add_argument("--algo", help=argparse.SUPPRESS)  # one, or several comma-separated (with as many --data files)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -259,9 +264,15 @@ def main() -> int:
 
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
         torch.set_num_threads(args.threads)
-        with tempfile.TemporaryDirectory(prefix=f"sft_dpo_vs_trl_{args.side}_out_") as out:
-            r = (run_ours if args.side == "ours" else run_trl)(args, Path(args.data), out)
-        Path(args.result).write_text(json.dumps(r))
+        algos, files = args.algo.split(","), args.data.split(",")
+        if len(algos) != len(files) or set(algos) - {"sft", "dpo"}:
+            ap.error(f"--algo {args.algo} / --data {args.data}: one data file per algorithm (sft, dpo)")
+        r = {}
+        for algo, data in zip(algos, files):
+            a = argparse.Namespace(**{**vars(args), "algo": algo, "data": data})
+            with tempfile.TemporaryDirectory(prefix=f"sft_dpo_vs_trl_{args.side}_out_") as out:
+                r[algo] = (run_ours if args.side == "ours" else run_trl)(a, Path(data), out)
+        Path(args.result).write_text(json.dumps(r[algos[0]] if len(algos) == 1 else r))
         return 0
 
     try:
@@ -280,11 +291,21 @@ def main() -> int:
 
         args.model = str(default_model_dir())
     results, ok = {}, True
-    for algo in args.algos:
-        data = Path(tmp.name) / f"{algo}.jsonl"
+    files = {algo: Path(tmp.name) / f"{algo}.jsonl" for algo in args.algos}
+    for algo, data in files.items():
         write_data(data, algo, args.batch * (args.warmup + args.steps))
+    grouped = {}
+    if args.smoke:
+        # the smoke runs both algorithms in one process per side (2 start-ups, was 4); measurements keep a fresh
+        # process per algorithm and side, so that each peak memory is its own
+        for side in ("trl", "ours"):
+            r = run_side(side, ",".join(args.algos), args, [files[a] for a in args.algos]) or {}
+            grouped[side] = r
+    for algo in args.algos:
+        data = files[algo]
         ours_tokens = data_tokens(data, algo, args.model, args.batch)
-        raw = {side: run_side(side, algo, args, data) for side in ("trl", "ours")}
+        raw = {side: grouped[side].get(algo) if args.smoke else run_side(side, algo, args, data)
+               for side in ("trl", "ours")}
         # TRL renders a conversational completion as the template's whole assistant turn, "...<|im_end|>\n", and
         # trains the newline too; ours ends the response at EOS. So TRL has one token more per response, no other
         # difference: per step exactly `responses` more (SFT: one per example, DPO: chosen and rejected)
