@@ -69,12 +69,6 @@ def executor_backend(tp: int, *, in_ray_actor: bool) -> str | None:
     return "ray" if in_ray_actor else "mp"
 
 
-def _disable_dynamo() -> None:
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True
-
-
 def _in_ray_actor() -> bool:
     try:
         import ray
@@ -123,7 +117,9 @@ class VLLMGenerator(Generator):
             # generate with inductor's on-disk cache warm, 25-40 s with it cold (a new machine, a CI clone), for no
             # measurable generation speed at these sizes (docs/testing.md, "Engine start"). This process only
             # generates (an actor of its own, or a test), so dynamo is switched off in it.
-            _disable_dynamo()
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
         kwargs = dict(
             model=self.model_path, dtype=_VLLM_DTYPE[self.platform.resolve_dtype(config.precision)], seed=seed,
             enforce_eager=True if cpu else config.enforce_eager,
