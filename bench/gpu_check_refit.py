@@ -173,7 +173,7 @@ def ray_placement(check) -> dict:
     gpus = torch.cuda.device_count() if plat.is_gpu else 2  # CPU dry run: two logical GPUs
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, num_gpus=gpus, include_dashboard=False, object_store_memory=256 << 20,
+    ray.init(address="local", num_cpus=2, num_gpus=gpus, include_dashboard=False, object_store_memory=256 << 20,
              configure_logging=False, log_to_driver=False)
     try:
         layout = device_layout(devices=gpus, tp=1, pp=1, dp=None, colocated=True, gen_tp=1, gen_dp=None)

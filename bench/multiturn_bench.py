@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
         from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         actor = ray.remote(GeneratorActor).options(num_cpus=1).remote(gcfg, str(model), max_len, 0)
         engine = RemoteGenerator(actor, "bench-engine")
         make = lambda: RayEngines([engine], SAMPLING, 0.2)  # noqa: E731

@@ -87,17 +87,12 @@ def policy_worker_class(backend: str) -> type:
     return MegatronPolicyWorker
 
 
-def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share: float, max_steps: int):
-    """Ray, the placement (`n_bundles` devices) and the policy ranks on its first bundles: (placement, PolicyGroup,
-    the logs folder). CPU: each rank gets cores / `sharing` threads; `share`: the fraction of a device each rank asks
-    Ray for (colocated with a generator: half)."""
+def start_cluster(cfg: Config, out_dir: Path, n_bundles: int):
+    """Ray and the placement (`n_bundles` devices): (placement, the logs folder)."""
     from megatron_rl.distributed.cluster import init_ray, reserve
     from megatron_rl.distributed.parallel_dims import layout_of
-    from megatron_rl.distributed.worker_group import WorkerGroup
-    from megatron_rl.policy.group import PolicyGroup
 
     c = cfg.cluster
-    world = layout_of(cfg).policy.world_size
     # CPU slots are logical: a disaggregated layout on a small machine still gets one bundle per process
     init_ray(c, num_cpus=None if c.ray_address else max(os.cpu_count() or 1, n_bundles))
     placement = reserve(n_bundles)
@@ -110,12 +105,49 @@ def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share
         raise
     logs = out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    return placement, logs
+
+
+def start_ranks(cfg: Config, placement, logs: Path, sharing: int, share: float, max_steps: int):
+    """The policy ranks on the placement's first bundles, set up: a PolicyGroup. CPU: each rank gets cores /
+    `sharing` threads; `share`: the fraction of a device each rank asks Ray for (colocated with a generator: half)."""
+    from megatron_rl.distributed.parallel_dims import layout_of
+    from megatron_rl.distributed.worker_group import WorkerGroup
+    from megatron_rl.policy.group import PolicyGroup
+
+    c = cfg.cluster
+    world = layout_of(cfg).policy.world_size
     cores = os.cpu_count() or 1
     threads = None if get_platform().is_gpu else (cfg.policy.threads or max(1, cores // sharing))
     group = WorkerGroup(policy_worker_class(cfg.policy.backend), placement, name="policy", world_size=world, share=share,
                         log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
                         init_kwargs=dict(policy_cfg=cfg.policy, max_steps=max_steps))
-    return placement, PolicyGroup(group), logs
+    return PolicyGroup(group)
+
+
+def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share: float, max_steps: int):
+    """`start_cluster` then `start_ranks`: (placement, PolicyGroup, the logs folder)."""
+    placement, logs = start_cluster(cfg, out_dir, n_bundles)
+    return placement, start_ranks(cfg, placement, logs, sharing, share, max_steps), logs
+
+
+def spawn_engines(cfg: Config, placement, logs: Path, gen_bundles, share: float, threads, model_dir: Path, lora):
+    """One generator actor per engine, started `deferred` (GeneratorActor): each imports vLLM now and builds its
+    engine at `GeneratorPool.start_engines`. RemoteGenerator handles, in engine order."""
+    import ray
+
+    from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
+
+    engines = []
+    for i, bundles in enumerate(gen_bundles):
+        name = f"generator-{i}"
+        log = str(logs / f"{name}.log")
+        options, env = placement.engine_placement(bundles, share)
+        actor = ray.remote(GeneratorActor).options(**options, max_restarts=0).remote(
+            cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, threads, env, lora,
+            deferred=True)
+        engines.append(RemoteGenerator(actor, name, log))
+    return engines
 
 
 def start_teacher(cfg: Config, placement, logs: Path, sharing: int, share: float):
@@ -155,10 +187,7 @@ def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
 
 
 def build(cfg: Config, out_dir: Path) -> Components:
-    import ray
-
     from megatron_rl.distributed.parallel_dims import layout_of
-    from megatron_rl.generation.actor import GeneratorActor, RemoteGenerator
     from megatron_rl.generation.pool import GeneratorPool
     from megatron_rl.rewards.reward_fn import RewardFn
 
@@ -177,7 +206,20 @@ def build(cfg: Config, out_dir: Path) -> Components:
     # measured ~8x slower)
     sharing = world + len(gen_bundles) if cfg.grpo.max_staleness > 0 else world
     share = layout.share
-    placement, policy, logs = start_policy(cfg, out_dir, n_bundles, sharing, layout.policy_share, cfg.grpo.max_steps)
+    cores = os.cpu_count() or 1
+    # CPU: the engines decode at the same time on the shared cores, so they split them
+    gen_sharing = world + len(gen_bundles) if cfg.grpo.max_staleness > 0 else len(gen_bundles)
+    gen_threads = None if plat.is_gpu else (cfg.generation.threads or max(1, cores // gen_sharing))
+    lora = None
+    if cfg.generation.lora_refit == "adapter":  # the loader checked that policy.lora is set then
+        from megatron_rl.generation.lora_serving import serving_spec
+
+        lora = serving_spec(cfg.policy.lora, model_dir, cfg.policy.backend)
+    placement, logs = start_cluster(cfg, out_dir, n_bundles)
+    # the engines' processes import vLLM (~5 s of a core on CPU) while the policy ranks set up; each builds its
+    # engine (weights, KV cache on the device) only in start_engines below, after the trainer left the device
+    engines = spawn_engines(cfg, placement, logs, gen_bundles, share, gen_threads, model_dir, lora)
+    policy = start_ranks(cfg, placement, logs, sharing, layout.policy_share, cfg.grpo.max_steps)
     teacher = None
     if cfg.distillation is not None:  # on the policy's bundles
         if c.colocated:
@@ -186,33 +228,15 @@ def build(cfg: Config, out_dir: Path) -> Components:
             # the handover offloads the teacher in turn before the engines start
             policy.offload()
         teacher = start_teacher(cfg, placement, logs, sharing, layout.policy_share)
-    cores = os.cpu_count() or 1
     from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
 
-    lora = None
-    if cfg.generation.lora_refit == "adapter":  # the loader checked that policy.lora is set then
-        from megatron_rl.generation.lora_serving import serving_spec
-
-        lora = serving_spec(cfg.policy.lora, model_dir, cfg.policy.backend)
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
                         sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit,
                         teacher=teacher)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
-    engines = []
-    # CPU: the engines decode at the same time on the shared cores, so they split them
-    gen_sharing = world + len(gen_bundles) if cfg.grpo.max_staleness > 0 else len(gen_bundles)
-    gen_threads = None if plat.is_gpu else (cfg.generation.threads or max(1, cores // gen_sharing))
-    for i, bundles in enumerate(gen_bundles):
-        name = f"generator-{i}"
-        log = str(logs / f"{name}.log")
-        options, env = placement.engine_placement(bundles, share)
-        actor = ray.remote(GeneratorActor).options(**options, max_restarts=0).remote(
-            cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, gen_threads, env,
-            lora)
-        engines.append(RemoteGenerator(actor, name, log))
     generator = GeneratorPool(engines)
-    generator.pids()  # wait until every engine is up (and fail here, naming the one that cannot start)
+    generator.start_engines()  # every engine up (an engine that cannot start fails here, named)
     handover.generator = generator
     handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()

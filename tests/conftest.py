@@ -41,3 +41,29 @@ def pytest_runtest_makereport(item, call):
             report.outcome = "failed"
             report.longrepr = (f"CI: a set-up asset is missing, so this test cannot be skipped ({reason}); "
                                "launch/run_tests.sh installs it")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Under pytest-xdist (launch/run_tests.sh's parallel phase, `--dist loadfile --no-loadscope-reorder`) the workers are
+# handed whole files in collection order, so the files are collected heaviest first: a 4-minute file handed out last
+# would run alone while the other worker idles. Seconds per file come from a profile of the default tier
+# (tests/tools/file_costs.json, written by `tests/tools/suite_profile.py PROFILE --write-costs`); a file not listed
+# counts as a small one. Within a file the order is unchanged.
+_COSTS = os.path.join(os.path.dirname(__file__), "tools", "file_costs.json")
+_NEW_FILE_S = 5.0
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not (os.environ.get("PYTEST_XDIST_WORKER") or getattr(config.option, "numprocesses", None)):
+        return
+    import json
+
+    try:
+        with open(_COSTS) as f:
+            costs = json.load(f)
+    except (OSError, ValueError):
+        return
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda it: (-costs.get(it.nodeid.split("::")[0], _NEW_FILE_S), first[it.nodeid.split("::")[0]]))

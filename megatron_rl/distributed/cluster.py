@@ -69,7 +69,10 @@ def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: 
     # Clusters that join an address keep whatever the operator configured (see README, "Ray authentication tokens").
     if cfg.ray_address is None:
         _local_auth()
+        # "local": always a private cluster. Without an address Ray joins the newest `ray start` cluster recorded in
+        # /tmp/ray/ray_current_cluster (another user's job, or a concurrent test's 2-node cluster) instead.
         ray.init(
+            address="local",
             num_cpus=num_cpus or os.cpu_count(),
             object_store_memory=cfg.object_store_memory_mb * 2**20,
             include_dashboard=False,

@@ -18,7 +18,10 @@ from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
 class GeneratorActor:
     def __init__(self, cfg: GenerationConfig, model_path: str, max_model_len: int | None, seed: int,
                  log_path: str | None = None, threads: int | None = None, env: dict | None = None,
-                 lora: dict | None = None):
+                 lora: dict | None = None, *, deferred: bool = False):
+        """`deferred`: only import vLLM now (seconds of one core, no device memory) and build the engine when
+        `start_engine` is called: `build.build` starts these processes before the policy ranks so that the imports
+        overlap the ranks' set-up, while the engine still measures the device's free memory after the trainer left."""
         redirect_output(log_path)
         # the placement's variables (device slot; for TP engines, where vLLM's Ray executor puts its workers),
         # read by vLLM when it builds the engine
@@ -30,11 +33,22 @@ class GeneratorActor:
             # the engine decodes on `cfg.threads` (default 1); the driver decided this actor owns `threads` cores
             # while it generates (CPU phases alternate: the trainer is idle meanwhile)
             cfg = dataclasses.replace(cfg, threads=threads)
-        self.engine = VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed, lora=lora)
-        if threads:  # the process's count: refits run on it too
-            from megatron_rl.platform import set_cpu_threads
+        self._make = lambda: VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed, lora=lora)
+        self.engine = None
+        if deferred:
+            import vllm.entrypoints.llm  # noqa: F401  (what VLLMGenerator's `from vllm import LLM` imports)
+        else:
+            self.start_engine()
 
-            set_cpu_threads(threads)
+    def start_engine(self) -> int:
+        """Build the engine (once); its pid when it is up."""
+        if self.engine is None:
+            self.engine = self._make()
+            if self.threads:  # the process's count: refits run on it too
+                from megatron_rl.platform import set_cpu_threads
+
+                set_cpu_threads(self.threads)
+        return os.getpid()
 
     def pid(self) -> int:
         return os.getpid()

@@ -119,6 +119,11 @@ class GeneratorPool:
     def pids(self) -> list[int]:
         return self._all("pid")
 
+    def start_engines(self) -> list[int]:
+        """Build the engines of actors started `deferred` (all at once; an engine that cannot start fails here,
+        named); their pids."""
+        return self._all("start_engine")
+
     def device_ids(self) -> list[list[str]]:
         """Per engine, the device identity of each of its workers (fixed for the engines' life: asked once)."""
         if getattr(self, "_device_ids", None) is None:

@@ -39,6 +39,10 @@ from tests.integration.faults_harness import (
     REPO, Run, checkpoint_done, leaked_shm, partial_checkpoints, shm_files, train_cmd,
 )
 
+# alone on the machine (launch/run_tests.sh's serial phase): the kills run on deadlines, and the leak checks look at
+# every process and /dev/shm file on the machine, which another test's run would add to
+pytestmark = pytest.mark.serial
+
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 DEADLINE_S = 30.0  # a dead actor must stop the driver within this
 RAY_CORE = ("gcs_server", "raylet", "default_worker.py", "ray::IDLE", "ray::MegatronPolicyWorker",

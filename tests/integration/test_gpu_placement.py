@@ -88,7 +88,7 @@ def gpu_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, num_gpus=DEVICES, object_store_memory=256 << 20, include_dashboard=False,
+    ray.init(address="local", num_cpus=2, num_gpus=DEVICES, object_store_memory=256 << 20, include_dashboard=False,
              configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()

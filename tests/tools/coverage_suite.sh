@@ -15,6 +15,7 @@ OUT="$(realpath -m "${1:-$ROOT/.cache/coverage}")"
 shift || true
 mkdir -p "$OUT"
 rm -f "$OUT"/.coverage*
+: > "$OUT/profile.jsonl"  # the profile plugin appends
 cd "$ROOT"
 export COVERAGE_DATA_DIR="$OUT"
 rc=0

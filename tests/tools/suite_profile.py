@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 _FIELDS = ("ray", "engines", "groups", "spawns", "procs")
 
@@ -33,8 +34,11 @@ _FIELDS = ("ray", "engines", "groups", "spawns", "procs")
 # the pytest plugin
 # --------------------------------------------------------------------------------------------------------------------
 class _Recorder:
-    def __init__(self, path: str):
-        self.out = open(path, "w", buffering=1)
+    def __init__(self, path: str, *, records_tests: bool = True):
+        # appended to: under pytest-xdist every worker writes its tests' lines to the same file (one write per line),
+        # and launch/run_tests.sh's serial phase adds its own run; run_tests.sh empties the file first
+        self.out = open(path, "a", buffering=1)
+        self.records_tests = records_tests  # False in xdist's controller: its workers record their own tests
         self.current: str | None = None  # nodeid of the test whose setup/call/teardown is running
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.fixture_stack: list[tuple[str, str, float]] = []
@@ -84,7 +88,9 @@ def pytest_configure(config):
     path = config.getoption("--suite-profile")
     if not path:
         return
-    _rec = _Recorder(path)
+    # xdist's controller only times the whole run (the start and end records); each worker records its tests
+    controller = not os.environ.get("PYTEST_XDIST_WORKER") and bool(getattr(config.option, "numprocesses", None))
+    _rec = _Recorder(path, records_tests=not controller)
     import multiprocessing.process
     import subprocess
 
@@ -130,6 +136,8 @@ def pytest_configure(config):
         if name in sys.modules:
             patch(sys.modules[name])
     sys.meta_path.insert(0, _PatchOnImport())
+    if _rec.records_tests and os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller writes the run's start and end
     _rec.write({"kind": "start", "t": time.time(), "pid": os.getpid()})
 
 
@@ -139,11 +147,12 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_runtest_logreport(report):
-    if _rec is None:
+    if _rec is None or not _rec.records_tests:
         return
     c = _rec.counts.get(report.nodeid, collections.Counter())
     rec = {"kind": "phase", "test": report.nodeid, "phase": report.when, "s": round(report.duration, 3),
-           "outcome": report.outcome}
+           "outcome": report.outcome, "end": round(time.time(), 2),  # when it ended, and on which xdist worker
+           "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     if report.when == "teardown":
         rec.update({k: c.get(k, 0) for k in _FIELDS})
     _rec.write(rec)
@@ -165,7 +174,8 @@ def pytest_fixture_setup(fixturedef, request):
 
 def pytest_sessionfinish(session, exitstatus):
     if _rec is not None:
-        _rec.write({"kind": "end", "t": time.time(), "exit": int(exitstatus)})
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            _rec.write({"kind": "end", "t": time.time(), "exit": int(exitstatus)})
         _rec.out.close()
 
 
@@ -181,8 +191,9 @@ def load(path: str) -> tuple[dict, list, float]:
         r = json.loads(line)
         if r["kind"] == "start":
             t_start = r["t"]
-        elif r["kind"] == "end" and t_start is not None:
-            wall = r["t"] - t_start
+        elif r["kind"] == "end" and t_start is not None:  # one pair per pytest run (run_tests.sh: two phases)
+            wall += r["t"] - t_start
+            t_start = None
         elif r["kind"] == "phase":
             t = tests.setdefault(r["test"], {"s": 0.0, "outcome": "passed", **{k: 0 for k in _FIELDS}})
             t["s"] += r["s"]
@@ -235,13 +246,38 @@ def report(path: str, top: int = 30, markdown: bool = False) -> str:
     return "\n".join(parts)
 
 
+def slowest(path: str, n: int) -> str:
+    """launch/run_tests.sh's closing table: one list over both of its phases (pytest's --durations has one per run)."""
+    tests, _, wall = load(path)
+    failed = sum(t["outcome"] == "failed" for t in tests.values())
+    rows = sorted(tests.items(), key=lambda kv: -kv[1]["s"])[:n]
+    return (f"{len(tests)} tests ({failed} with a failed phase), {wall / 60:.1f} min wall, "
+            f"{sum(t['s'] for t in tests.values()) / 60:.1f} min in tests. Slowest {n} (setup + call + teardown):\n"
+            + _fmt([[name, f"{t['s']:.1f}", t["outcome"]] for name, t in rows], ["test", "s", "outcome"], False))
+
+
+def file_costs(path: str) -> dict[str, float]:
+    """Seconds per test file (setup + call + teardown of its tests), for `tests/tools/file_costs.json`: the order in
+    which the parallel phase hands out files (tests/conftest.py, heaviest first)."""
+    tests, _, _ = load(path)
+    costs: dict[str, float] = collections.Counter()
+    for nodeid, t in tests.items():
+        costs[nodeid.split("::")[0]] += t["s"]
+    return {f: round(s, 1) for f, s in sorted(costs.items(), key=lambda kv: -kv[1])}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("path")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--slowest", type=int, default=0, help="print only the run's time and its N slowest tests")
+    ap.add_argument("--write-costs", metavar="JSON", help="write seconds per file (tests/tools/file_costs.json)")
     a = ap.parse_args(argv)
-    print(report(a.path, a.top, a.markdown))
+    if a.write_costs:
+        Path(a.write_costs).write_text(json.dumps(file_costs(a.path), indent=0) + "\n")
+        return 0
+    print(slowest(a.path, a.slowest) if a.slowest else report(a.path, a.top, a.markdown))
     return 0
 
 

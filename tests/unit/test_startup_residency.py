@@ -47,23 +47,26 @@ def recorded(tmp_path):
     def states():
         return {n: g.state() for n, g in groups.items()}
 
-    def start_policy(*_a, **_k):
+    def start_cluster(*_a, **_k):
+        placement = SimpleNamespace(engine_placement=lambda bundles, share: ({}, {}))
+        return placement, tmp_path
+
+    def start_ranks(*_a, **_k):
         log.append(("setup", "policy", states()))
         groups["policy"] = _Group("policy", log)
-        placement = SimpleNamespace(engine_placement=lambda bundles, share: ({}, {}))
-        return placement, groups["policy"], tmp_path
+        return groups["policy"]
 
     def start_teacher(*_a, **_k):
         log.append(("setup", "teacher", states()))
         groups["teacher"] = _Group("teacher", log)
         return groups["teacher"]
 
-    class _Actor:
+    class _Actor:  # the engine's process: started before the ranks, importing vLLM only (deferred)
         def options(self, **_k):
             return self
 
-        def remote(self, *_a, **_k):
-            log.append(("setup", "engine", states()))
+        def remote(self, *_a, deferred=False, **_k):
+            log.append(("process", "engine", deferred))
             return object()
 
     class _Pool:
@@ -72,7 +75,8 @@ def recorded(tmp_path):
         def __init__(self, engines):
             self.engines = [SimpleNamespace(name=f"generator-{i}") for i in range(len(engines))]
 
-        def pids(self):
+        def start_engines(self):  # where each engine takes device memory
+            log.append(("setup", "engine", states()))
             return [0] * len(self.engines)
 
         def device_ids(self):
@@ -87,7 +91,8 @@ def recorded(tmp_path):
     with mock.patch.object(build_module, "preflight", lambda cfg: None), \
             mock.patch.object(build_module, "resolve_model_dir", lambda m: tmp_path), \
             mock.patch.object(build_module, "build_data", lambda cfg, tok: (None, None, [])), \
-            mock.patch.object(build_module, "start_policy", start_policy), \
+            mock.patch.object(build_module, "start_cluster", start_cluster), \
+            mock.patch.object(build_module, "start_ranks", start_ranks), \
             mock.patch.object(build_module, "start_teacher", start_teacher), \
             mock.patch.object(reward_module, "RewardFn", lambda *a: None), \
             mock.patch.object(ray, "remote", lambda cls: _Actor()), \
@@ -102,3 +107,8 @@ def test_teacher_sets_up_after_the_trainer_left_the_device(recorded):
     assert setups["policy"] == {}
     assert setups["teacher"] == {"policy": OFFLOADED}  # never resident together
     assert setups["engine"] == {"policy": OFFLOADED, "teacher": OFFLOADED}
+    # the engines' processes start first (deferred: importing vLLM while the ranks set up, no device memory) and
+    # build their engines last
+    order = [(kind, what) for kind, what, *_ in recorded]
+    assert order.index(("process", "engine")) < order.index(("setup", "policy")) < order.index(("setup", "engine"))
+    assert all(rest == [True] for kind, what, *rest in recorded if kind == "process")
