@@ -191,8 +191,12 @@ def test_kill_driver_while_checkpointing_partial_ignored(chain):
         # SIGKILL the driver and, at the same instant, the rank writing the checkpoint: the machine dies mid-write.
         # (Killing only the driver lets the writer finish its atomic save: a complete checkpoint would be valid,
         # but the partial case would not be exercised.)
+        # megatron's checkpoint writer forks short-lived writer processes, which carry the rank's title: all of
+        # them die, as on a dead machine (killing one of them left the rank or a fork writing on, a flake)
+        writers = {p.pid: p for p in [writer, *run.find(f"ray::{chain.worker}.save")]}
         run.driver.kill()
-        writer.kill()
+        for p in writers.values():
+            p.kill()
         assert run.wait(timeout=30) == -signal.SIGKILL
         _resumed_line(run, chain.root, resume_from)
         partial = partial_checkpoints(chain.root)
