@@ -12,23 +12,26 @@ logits + log_softmax; it needs transformers and its dependencies among the carri
 A section's failure is recorded as {"error": ...} in its own entry, the others still run, and the exit code is then 1.
 A section that cannot run (a missing import, the time budget spent) fails too: it is never counted as passed.
 
-Preparing the lent machine (Python 3.12, no network; `PREINSTALLED` below is what it has): megatron-core and
-transformers (with its dependencies) are carried as wheels (`CARRIED`). In the repo root, once:
+Preparing the lent machine (Python 3.12, no network; `PREINSTALLED` below is what it has): megatron-core,
+transformers and Ray (each with its dependencies) are carried as wheels (`CARRIED`). In the repo root, once:
 
-    echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-        -d .whl megatron-core==0.16.1
-    python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl transformers==5.19.0
+    printf '/.whl/\n/.whl2/\n' >> .git/info/exclude
+    P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+       --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+    python3 -m pip download --no-deps $P -d .whl2 megatron-core==0.16.1
+    python3 -m pip download $P -d .whl2 transformers==5.19.0 ray==2.60.0
 
-then delete from .whl the wheels of what the machine already has (torch, numpy, pyyaml, packaging and their
-dependencies) to stay under the 64 MiB a call carries. Keep the safetensors wheel: transformers 5.19 requires
-safetensors >= 0.8 when it is imported, newer than the machine's. Ray is not carried (its wheel and dependencies
-alone exceed the 64 MiB), so on the lent machine `ray_placement` fails, naming the import.
-tests/unit/test_gpu_check.py runs the dry run with every other top-level import refused.
+then delete from .whl2 the wheels of what the machine already has (torch, numpy, pyyaml, packaging and their
+dependencies). Keep the safetensors wheel: transformers 5.19 requires safetensors >= 0.8 when it is imported, newer
+than the machine's. One call carries at most 64 MiB and Ray's wheel alone is 79 MB, so it travels in two parts:
 
-then carry `.whl` and run `bash bench/gpu_check.sh` (it installs .whl/*.whl into /tmp/site first).
+    cd .whl2 && split -b 60M ray-2.60.0-*.whl ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl.part- \
+      && rm ray-2.60.0-*.whl && mkdir -p ../.whl && mv ./*.part-aa ../.whl/ && cd ..
+
+First call: carry [".whl"], command `mkdir -p /tmp/carry && cp .whl/* /tmp/carry/` (a warm machine keeps /tmp);
+second call, at once: carry [".whl2"], command `bash bench/gpu_check.sh`, which joins the parts and installs every
+wheel into /tmp/site (bench/carry_wheels.sh). tests/unit/test_gpu_check.py runs the dry run with every other
+top-level import refused, and joins and installs a wheel carried in parts.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ SECTIONS = ("train", "varlen_train", "logprob_kernel", "kernel_checks", "offload
 # distributions the lent machine has, and those the docstring's `pip download` lines bring with their dependencies:
 # the dry run's import test allows these (their requirement closure), the standard library and the project only
 PREINSTALLED = ("torch", "triton", "numpy", "pyyaml", "psutil", "packaging")
-CARRIED = ("megatron-core", "transformers")
+CARRIED = ("megatron-core", "transformers", "ray")
 # Llama-3.2-1B's shape (1.24 B parameters, tied embeddings), random weights; max positions kept at the batch scale
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,

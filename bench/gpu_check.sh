@@ -5,12 +5,12 @@
 #
 #   bash bench/gpu_check.sh [gpu_check.py args...]      # e.g. --sections train offload
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
+# .whl/ and .whl2/ as carried by this call, /tmp/carry/ as left by an earlier call (Ray's wheel comes in two parts)
+if compgen -G ".whl*/*.whl*" >/dev/null || compgen -G "/tmp/carry/*.whl*" >/dev/null; then
+  bash bench/carry_wheels.sh /tmp/site .whl .whl2 /tmp/carry || exit 1
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
