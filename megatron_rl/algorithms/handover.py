@@ -35,10 +35,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_rl.lifecycle import AWAKE, OFFLOADED, LifecycleError
+from megatron_rl.lifecycle import AWAKE, BUCKET_BYTES, OFFLOADED, LifecycleError  # noqa: F401  (re-exported)
 from megatron_rl.platform import get_platform
 
-BUCKET_BYTES = 256 << 20  # refit bucket size: large enough to amortise per-bucket overheads, small enough to stream
 
 
 class Handover:

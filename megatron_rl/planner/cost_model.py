@@ -66,6 +66,7 @@ from megatron_rl.planner.architecture import (  # noqa: F401  (re-exported: the 
     act_bytes_per_token_layer, arch_of, decode_weight_bytes, expert_matmul_params, kv_bytes_per_token,
     layer_matmul_params, matmul_params, pp_problem, stage_layers, stage_param_split, vllm_weight_bytes,
 )
+from megatron_rl.planner import fixed_peaks
 from megatron_rl.planner.presets import GPU
 
 GiB = 2**30
@@ -145,6 +146,7 @@ class Plan:
     ep: int = 1  # expert parallelism (MoE): carved out of dp, as in megatron-core
     memory_gib: dict = field(default_factory=dict)  # training-phase breakdown of the fullest stage
     train_peak_gib: float = 0.0
+    fixed_peaks_gib: dict = field(default_factory=dict)  # peaks outside the phases (planner/fixed_peaks.py)
     gen_peak_gib: float = 0.0
     kv_gib: float = 0.0  # KV cache per GPU while generating
     kv_tokens: int = 0  # KV-cache capacity per vLLM instance
@@ -455,7 +457,8 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
              memory_gib=mem, train_peak_gib=train_peak / GiB, gen_peak_gib=(resident + vllm_w + kv_bytes) / GiB,
              kv_gib=kv_bytes / GiB, kv_tokens=kv_tokens, concurrency=gen["concurrency"], seqs_per_instance=gen["seqs"],
              times_s=times, step_s=step, eager_decode=wl.enforce_eager, vllm_gib=(vllm_w + kv_bytes) / GiB,
-             handover_gib={**handover, "generate": (vllm_w + kv_bytes) / GiB} if colocated else {})
+             handover_gib={**handover, "generate": (vllm_w + kv_bytes) / GiB} if colocated else {},
+             fixed_peaks_gib={} if colocated else fixed_peaks.disaggregated_refit(static, vllm_w, kv_bytes))
     p.tokens_per_s_per_gpu = wl.samples * wl.mean_len / step / p.total_gpus
     p.bound = _bound(p, gen, side, usable)
     return p

@@ -42,7 +42,8 @@ from megatron_rl.distributed.parallel_dims import (
 )
 from megatron_rl.planner import cost_model
 from megatron_rl.planner.architecture import active_params, arch_of, deepseek_v3_arch, pp_problem, total_params
-from megatron_rl.planner import fsdp2_cost
+from megatron_rl.planner import fixed_peaks, fsdp2_cost
+from megatron_rl.lifecycle import BUCKET_BYTES
 from megatron_rl.planner.cost_model import (  # noqa: F401  (re-exported: the planner's model is part of its API)
     EAGER_LAUNCH_S_PER_LAYER, GiB, Infeasible, Plan, Workload, act_bytes_per_token_layer, evaluate,
     fwd_flops_per_token, generation_time, kv_bytes_per_token, matmul_params, stage_params, step_time,
@@ -243,6 +244,8 @@ def _parser() -> argparse.ArgumentParser:
                     "config (inheriting --base) after the config loader accepted it")
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print the Megatron plans as JSON")
+    ap.add_argument("--teacher", default=None, help="a distillation teacher (preset or HF config), on the policy's "
+                    "GPUs at the best layout's TP x PP: its start-up and scoring peaks")
     ap.add_argument("--backend", choices=("megatron", "fsdp2", "both"), default="both",
                     help="policy.backend to plan for (default: both, side by side; the FSDP2 step takes its vLLM "
                          "side from the best Megatron layout)")
@@ -355,6 +358,25 @@ def _report(args, label, spec, note, gpu, wl, plans, colocated, k) -> None:
     print(f"best, step time (s): {parts} = {best.step_s:.1f}")
     if not colocated:
         print(f"  train on {best.train_gpus} GPUs, generate on {best.gen_gpus}")
+    if best.fixed_peaks_gib:
+        f = best.fixed_peaks_gib
+        print(f"best, refit peaks per GPU (GiB, one {BUCKET_BYTES >> 20} MiB bucket at a time): trainer "
+              f"{f['refit_trainer']:.1f} (its training state + a bucket), engine {f['refit_engine']:.1f} "
+              "(vLLM's weights and KV cache + a bucket)")
+        if f["refit_engine"] > usable_bytes(gpu) / GiB:
+            print("  warning: vLLM sizes its KV cache from the memory it may use, and the received bucket comes on top:"
+                  f" keep generation.gpu_memory_utilization {BUCKET_BYTES >> 20} MiB below the device's usable memory")
+    if getattr(args, "teacher", None):
+        t_label, t_spec, _ = resolve_model(args.teacher)
+        # colocated: the student's state leaves the device before the teacher sets up; disaggregated: it stays
+        beside = 0.0 if colocated else sum(best.memory_gib[k] for k in ("weights", "grads", "optimizer"))
+        t = fixed_peaks.teacher(t_spec, best.tp, best.pp, wl.micro_tokens, beside_gib=beside)
+        where = "the student offloaded first" if colocated else f"beside the student's {beside:.1f} GiB of state"
+        print(f"teacher {t_label} at TP {best.tp} x PP {best.pp} ({where}), per GPU (GiB): set-up "
+              f"{t['teacher_startup']:.1f}, scoring {t['teacher_scoring']:.1f} (+ the blockwise top-k buffers)")
+        if t["teacher_scoring"] > usable_bytes(gpu) / GiB:
+            print(f"  warning: the teacher does not fit ({usable_bytes(gpu) / GiB:.1f} GiB usable): "
+                  + ("raise policy.tp / policy.pp" if colocated else "prefer --colocated, or raise policy.tp"))
     moe = f" (routed experts {cost_model.MOE_MFU:.2f})" if a.moe else ""
     print(f"estimates: MFU {cost_model.MFU:.2f}{moe}, decode at {cost_model.DECODE_BW_EFF:.0%} of HBM bandwidth; see "
           "`megatron-rl plan --help` for the model")
@@ -369,7 +391,8 @@ def _report_fsdp2(spec, gpu, wl, world: int, best: Plan | None, k: int) -> Fsdp2
     print(f"FSDP2 (policy.backend=fsdp2, DP {world // f.tp} x TP {f.tp} (policy.tp={f.tp}), fp32 master weights, "
           f"bf16 compute), memory per GPU (GiB): "
           f"{parts} = {f.peak_gib:.1f} of {f.usable_gib:.1f} usable: {verdict}; the KL reference is on the host "
-          f"({f.host_reference_gib:.1f} GiB per rank), not the GPU")
+          f"({f.host_reference_gib:.1f} GiB per rank), not the GPU; load peak "
+          f"{fixed_peaks.fsdp2_load(spec, world, f.tp):.1f} GiB (every fp32 shard + the largest unit whole in bf16)")
     if best is None:
         print(f"FSDP2 training side (s): logprobs {f.times_s['logprobs']:.1f} + train {f.times_s['train']:.1f} "
               f"(collectives {f.collectives_s:.1f}, overlapped); no Megatron layout to take the vLLM side from")
