@@ -3,11 +3,16 @@ CUDA_VISIBLE_DEVICES), and the placement code `build()` uses (`reserve`, `Worker
 `DeviceLayout.share`), with probe actors in place of the Megatron and vLLM workers: the resource requests are the
 real ones, only the workers stop before touching CUDA.
 
-A TP engine's workers are started the way vLLM 0.32's Ray executor starts them from inside the engine's actor
-(vllm/v1/executor/ray_executor.py, `_init_workers_ray`: `num_cpus=0, num_gpus=VLLM_RAY_PER_WORKER_GPUS`, bundle
-`VLLM_RAY_BUNDLE_INDICES[rank]` of the actor's current placement group). Every actor must be scheduled within a
-timeout and see exactly its devices: a policy rank one GPU of its own, a colocated engine worker the GPU of the policy
-rank on its bundle, a disaggregated one a GPU no policy rank has.
+A TP engine's workers are started both ways vLLM 0.32's Ray executors start them from inside the engine's actor.
+V1 (vllm/v1/executor/ray_executor.py, `_init_workers_ray`): `num_cpus=0, num_gpus=VLLM_RAY_PER_WORKER_GPUS`, bundle
+`VLLM_RAY_BUNDLE_INDICES[rank]` of the actor's current placement group, CUDA_VISIBLE_DEVICES set by Ray. V2
+(`ray_executor_v2.py: RayExecutorV2`, the default: VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1): the same requests, but Ray
+leaves CUDA_VISIBLE_DEVICES alone (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES); each worker reports its physical
+GPU (`get_accelerator_ids`), and worker i then runs on the sorted GPUs of its node at its local rank, which can be
+another worker's bundle's GPU of the same engine. Every actor must be scheduled within a timeout and see exactly its
+devices: a policy rank one GPU of its own; a colocated engine's workers the GPUs of the policy ranks on its bundles
+(V1: each the one on its own bundle; V2: the same set, one worker each: the refit routes by device, not by bundle,
+weights/routing.py); a disaggregated engine's workers GPUs no policy rank has.
 """
 from __future__ import annotations
 
@@ -80,6 +85,28 @@ class EngineProbe:
             for w in workers:
                 ray.kill(w)
 
+    def start_workers_v2(self, tp: int) -> list[str]:
+        """RayExecutorV2's placement (module docstring): the GPU each worker rank runs on, in rank order."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = ray.util.get_current_placement_group()
+        per_worker = float(os.environ.get("VLLM_RAY_PER_WORKER_GPUS", "1.0"))
+        bundles = [int(b) for b in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+        noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        workers = [ray.remote(num_cpus=0, num_gpus=per_worker, runtime_env=noset,
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                  placement_group=pg, placement_group_bundle_index=b))(EngineWorkerProbe).remote()
+                   for b in bundles]
+        try:
+            found = ray.get([w.where.remote() for w in workers], timeout=TIMEOUT_S)
+        finally:
+            for w in workers:
+                ray.kill(w)
+        assert all(len(f["gpus"]) == 1 for f in found), found
+        node_gpus = sorted((f["gpus"][0] for f in found), key=int)  # one node here
+        return [node_gpus[local_rank] for local_rank in range(len(found))]
+
 
 @pytest.fixture(scope="module")
 def gpu_ray():
@@ -118,6 +145,8 @@ def test_every_actor_is_scheduled_on_its_devices(gpu_ray, colocated, gen_dp, gen
             engines.append(ray.remote(EngineProbe).options(**options).remote(env))
         hosts = ray.get([e.where.remote() for e in engines], timeout=TIMEOUT_S)
         workers = ray.get([e.start_workers.remote(layout.gen_tp) for e in engines], timeout=TIMEOUT_S)
+        workers_v2 = (ray.get([e.start_workers_v2.remote(layout.gen_tp) for e in engines], timeout=TIMEOUT_S)
+                      if layout.gen_tp > 1 else None)
     finally:
         for e in engines:
             ray.kill(e)
@@ -144,6 +173,11 @@ def test_every_actor_is_scheduled_on_its_devices(gpu_ray, colocated, gen_dp, gen
                 assert w["gpus"][0] not in policy_gpus, (i, b, w, policy_gpus)
             used.append(w["gpus"][0])
     assert len(set(used)) == len(used) == layout.gen_devices  # no GPU holds two engine workers
+    if workers_v2 is not None:  # V2: each engine's workers on the GPUs of its bundles, one each, maybe permuted
+        for i, (bundles, ws, gpus) in enumerate(zip(layout.engines, workers, workers_v2)):
+            assert sorted(gpus, key=int) == sorted((w["gpus"][0] for w in ws), key=int), (i, gpus, ws)
+            if colocated:
+                assert set(gpus) == {policy_gpus[b] for b in bundles}, (i, bundles, gpus, policy_gpus)
 
 
 def _all_layouts():
