@@ -188,6 +188,12 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 def _build_dataclass(cls: type, data: dict, path: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    spell = getattr(cls, "spelled", None)  # a section that also takes another library's spellings (LoraConfig: PEFT's)
+    if spell is not None:
+        try:
+            data = spell(data)
+        except ValueError as e:
+            raise ConfigError(f"{path}.{e}" if path else str(e)) from None
     unknown = [k for k in data if k not in names]
     if unknown:
         where = f"{path}." if path else ""
@@ -479,7 +485,26 @@ def _check_lora_targets(cfg: Config, model_dir: Path, hf: dict) -> None:
     lora_linear_paths(cfg.policy.lora.target_modules, model_dir)
 
 
+def _override_at_fault(message: str, overrides: list[str]) -> str | None:
+    """The last override whose key the error's key path names (or lies under), else None."""
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0].strip()
+        if f"'{key}" in message or message.startswith(f"{key}:") or message.startswith(f"{key}."):
+            return item
+    return None
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:
-    tree = apply_overrides(read_yaml_tree(path), list(overrides or []))
-    cfg = from_dict(tree, source=str(path))
+    """The typed, validated config of YAML `path` with `overrides` applied. A key or value error names where it was
+    written: the YAML file, or the command-line override that set it."""
+    overrides = list(overrides or [])
+    yaml_tree = read_yaml_tree(path)
+    from_dict(yaml_tree, source=str(path))  # the file's own errors, blamed on the file
+    tree = apply_overrides(yaml_tree, overrides)
+    try:
+        cfg = from_dict(tree)
+    except ConfigError as e:
+        item = _override_at_fault(str(e), overrides)
+        where = f"command-line override '{item}'" if item else "command-line overrides"
+        raise ConfigError(f"{where}: {e}") from None
     return validate(cfg, check_model=check_model)

@@ -54,6 +54,29 @@ class LoraConfig:
     # "all-linear" (all of them; attention only on MoE models, whose experts take no adapters)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
+    # PEFT's LoraConfig names, taken as they are (a config copied from a PEFT recipe works)
+    PEFT_NAMES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+    @classmethod
+    def spelled(cls, data: dict) -> dict:
+        """`data` with PEFT's spellings in ours (the loader calls it before checking keys): `r`, `lora_alpha`,
+        `lora_dropout`, and `target_modules: all-linear` as a string, as PEFT writes it. Other strings are refused:
+        PEFT reads a string as a regular expression over full module paths, which is not supported here.
+        ValueError "key: why" when a key is given under both names or a string is not all-linear."""
+        out = dict(data)
+        for peft, ours in cls.PEFT_NAMES.items():
+            if peft in out:
+                if ours in out:
+                    raise ValueError(f"{peft}: PEFT's name for {ours}, which is also given (keep one)")
+                out[ours] = out.pop(peft)
+        t = out.get("target_modules")
+        if isinstance(t, str):
+            if t != "all-linear":
+                raise ValueError(f"target_modules: {t!r} as a string is a PEFT regular expression, not supported: "
+                                 "give a list of module names, e.g. [q_proj, v_proj], or all-linear")
+            out["target_modules"] = [t]
+        return out
+
 
 @dataclass
 class PolicyConfig:

@@ -464,6 +464,8 @@ def test_bad_config_value_names_key_path_before_any_work(model, tmp_path, where)
     assert r.stderr.startswith("config error:") and name in r.stderr, r.stderr
     if where == "yaml":
         assert str(cfg) in r.stderr
+    else:  # blamed on the override that set it, not on the YAML file
+        assert "command-line override 'policy.optimizer.lr=fast'" in r.stderr and str(cfg) not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()  # nothing was started or written
     print(f"bad config value ({where}): exit 2 after {time.monotonic() - t0:.1f}s")
 

@@ -135,3 +135,35 @@ def test_fsdp2_lora_targets_are_checked_against_the_model_before_start(tmp_path,
     with pytest.raises(ConfigError, match=r"'gate_proj' is no linear layer .*experts and routers take no adapters"):
         _load_refit(tmp_path, moe, ["policy.backend=fsdp2", "policy.lora.target_modules=[q_proj, gate_proj]"])
     _load_refit(tmp_path, moe, ["policy.backend=fsdp2", "policy.lora.rank=4"])  # all-linear: the attention
+
+
+def test_peft_spellings_are_taken_as_peft_writes_them(tmp_path, models):
+    """A LoRA block copied from a PEFT recipe: `r`, `lora_alpha`, `lora_dropout` and `target_modules: all-linear`
+    as a string (PEFT's LoraConfig accepts each); the same values as our own names give."""
+    peft = _load(tmp_path, models["qwen2"], "{r: 8, lora_alpha: 16, lora_dropout: 0.05, target_modules: all-linear}")
+    ours = _load(tmp_path, models["qwen2"], "{rank: 8, alpha: 16, dropout: 0.05, target_modules: [all-linear]}")
+    assert peft.policy.lora == ours.policy.lora == LoraConfig(rank=8, alpha=16.0, dropout=0.05)
+    cli = _load_refit(tmp_path, models["qwen2"], ["policy.lora.r=4", "policy.lora.target_modules=all-linear"])
+    assert (cli.policy.lora.rank, cli.policy.lora.target_modules) == (4, ["all-linear"])
+
+
+@pytest.mark.parametrize("lora, match", [
+    ("{r: 8, rank: 8}", r"policy\.lora\.r: PEFT's name for rank, which is also given"),
+    ("{target_modules: q_proj}", r"policy\.lora\.target_modules: 'q_proj' as a string is a PEFT regular expression"),
+])
+def test_peft_spellings_refused_where_ambiguous(tmp_path, models, lora, match):
+    with pytest.raises(ConfigError, match=match):
+        _load(tmp_path, models["qwen2"], lora)
+
+
+def test_an_override_error_names_the_override_not_the_file(tmp_path, models):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"policy: {{model: {models['qwen2']}}}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, ["grpo.max_steps=3", "policy.lora.rnak=4"])
+    assert str(e.value).startswith("command-line override 'policy.lora.rnak=4': unknown key 'policy.lora.rnak'")
+    assert str(p) not in str(e.value)
+    p.write_text(f"policy: {{model: {models['qwen2']}, lora: {{rnak: 4}}}}\n")
+    with pytest.raises(ConfigError) as e:  # written in the file: the file is named
+        load_config(p, ["grpo.max_steps=3"])
+    assert str(e.value).startswith(f"{p}: unknown key 'policy.lora.rnak'")
