@@ -173,7 +173,8 @@ def start_teacher(cfg: Config, placement, logs: Path, sharing: int, share: float
 def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
     """SFT / DPO: the policy ranks alone, each with its device to itself; no generator, reward or environments.
     The handover is a disaggregated one without a generator: the trainer always holds the device."""
-    from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
+    from megatron_rl.algorithms.handover import Handover
+    from megatron_rl.buffers import BUCKET_BYTES
     from megatron_rl.distributed.parallel_dims import layout_of
 
     world = layout_of(cfg).policy.world_size
@@ -228,7 +229,8 @@ def build(cfg: Config, out_dir: Path) -> Components:
             # the handover offloads the teacher in turn before the engines start
             policy.offload()
         teacher = start_teacher(cfg, placement, logs, sharing, layout.policy_share)
-    from megatron_rl.algorithms.handover import BUCKET_BYTES, Handover
+    from megatron_rl.algorithms.handover import Handover
+    from megatron_rl.buffers import BUCKET_BYTES
 
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
                         sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit,

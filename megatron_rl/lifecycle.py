@@ -18,10 +18,6 @@ AWAKE = "awake"  # weights and KV cache allocated: can generate
 WEIGHTS_ONLY = "weights_only"  # weights allocated, KV cache released: can receive a refit, cannot generate
 ASLEEP = "asleep"  # both released (GPU: weights in host memory): can do neither
 
-# refit bucket size: large enough to amortise per-bucket overheads, small enough to stream (the refit's extra memory
-# on either end is one bucket: planner/fixed_peaks.py)
-BUCKET_BYTES = 256 << 20
-
 
 class LifecycleError(RuntimeError):
     """A call made in the wrong phase of the colocated handover."""

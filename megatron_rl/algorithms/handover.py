@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_rl.lifecycle import AWAKE, BUCKET_BYTES, OFFLOADED, LifecycleError  # noqa: F401  (re-exported)
+from megatron_rl.lifecycle import AWAKE, OFFLOADED, LifecycleError
 from megatron_rl.platform import get_platform
 
 

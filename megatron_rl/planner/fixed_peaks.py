@@ -9,13 +9,14 @@ order fixes (issue 54's fixes; docs/gpu.md, "Fixed peaks"). Each is what the run
   the unit being filled, whole, in the checkpoint's dtype (bf16: 2 B a parameter / TP).
 - distillation, colocated (build.py: the student's state leaves the device before the teacher sets up): the
   teacher's bf16 weights over its TP x PP alone at start-up; scoring adds its blockwise top-k buffers
-  (policy/topk.py: [micro-batch tokens, VOCAB_BLOCK] fp32 logits and VOCAB_BLOCK rows of the head's weight in fp32).
+  (policy/topk.py: [micro-batch tokens, VOCAB_BLOCK] fp32 logits and VOCAB_BLOCK rows of the head's weight in fp32;
+  both sizes in buffers.py).
 
 Predicted, not measured on a GPU: the CPU tests named in docs/gpu.md bound the same bytes on CPU.
 """
 from __future__ import annotations
 
-from megatron_rl.lifecycle import BUCKET_BYTES
+from megatron_rl.buffers import BUCKET_BYTES, VOCAB_BLOCK
 from megatron_rl.planner.architecture import arch_of, dense_layer_params, expert_layer_params, total_params
 
 GiB = 2**30
@@ -41,8 +42,6 @@ def teacher(spec, tp: int, pp: int, micro_tokens: int, beside_gib: float = 0.0) 
     """GiB per GPU of a distillation teacher at its set-up (its weights, beside `beside_gib` of the student's: none
     when colocated, its training state when disaggregated) and while it scores (plus the blockwise top-k buffers of
     one micro-batch)."""
-    from megatron_rl.policy.topk import VOCAB_BLOCK  # the runtime's block (policy/ imports torch: only when asked)
-
     a = arch_of(spec)
     weights = 2.0 * total_params(a) / (tp * pp)
     block = min(VOCAB_BLOCK, -(-a.vocab // tp))

@@ -43,7 +43,7 @@ from megatron_rl.distributed.parallel_dims import (
 from megatron_rl.planner import cost_model
 from megatron_rl.planner.architecture import active_params, arch_of, deepseek_v3_arch, pp_problem, total_params
 from megatron_rl.planner import fixed_peaks, fsdp2_cost
-from megatron_rl.lifecycle import BUCKET_BYTES
+from megatron_rl.buffers import BUCKET_BYTES
 from megatron_rl.planner.cost_model import (  # noqa: F401  (re-exported: the planner's model is part of its API)
     EAGER_LAUNCH_S_PER_LAYER, GiB, Infeasible, Plan, Workload, act_bytes_per_token_layer, evaluate,
     fwd_flops_per_token, generation_time, kv_bytes_per_token, matmul_params, stage_params, step_time,

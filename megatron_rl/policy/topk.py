@@ -18,12 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-# Vocabulary columns scored at a time by `vocab_topk`: the teacher never holds fp32 logits for its whole vocabulary
-# shard (4,096 positions x 76K columns x 4 B = 1.2 GB at a 152K vocabulary and TP 2, plus an fp32 copy of the head's
-# weight), only [positions, VOCAB_BLOCK] of them and VOCAB_BLOCK rows of the weight in fp32 (128 MB and, at h = 8,192,
-# 256 MB); the fused head's kernels work in blocks for the same reason.
-VOCAB_BLOCK = 8192
+from megatron_rl.buffers import VOCAB_BLOCK  # the block's size and why: buffers.py
 
 
 def _logit_blocks(output: torch.Tensor, head, vocab_start: int, temperature: float, block: int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.lifecycle import BUCKET_BYTES
+from megatron_rl.buffers import BUCKET_BYTES
 from megatron_rl.planner import fixed_peaks
 from megatron_rl.planner.search import resolve_model
 

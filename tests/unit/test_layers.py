@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[2] / "megatron_rl"
 
 # floors, lowest first, by the first name under megatron_rl (coarser than DESIGN's table: within a floor any import)
 FLOORS = (
-    ("ground", {"platform", "paths", "lifecycle", "mp_main", "config", "data", "rewards", "models", "distributed",
+    ("ground", {"platform", "paths", "lifecycle", "buffers", "mp_main", "config", "data", "rewards", "models", "distributed",
                 "weights", "planner"}),
     # environments: on config, data and rewards below; generation and the algorithms (the rollout loop) import it
     ("workers", {"environments", "policy", "generation"}),
