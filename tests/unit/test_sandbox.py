@@ -38,6 +38,12 @@ def _sandbox_processes() -> list[str]:
     return found
 
 
+# alone on the machine (launch/run_tests.sh's serial phase): the check below looks at every process of a sandbox
+# uid, every sandbox cgroup and workdir on the machine, which another test's sandbox (test_env_code, test_rewards)
+# would add to while it runs
+pytestmark = pytest.mark.serial
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     yield
