@@ -485,15 +485,6 @@ def _check_lora_targets(cfg: Config, model_dir: Path, hf: dict) -> None:
     lora_linear_paths(cfg.policy.lora.target_modules, model_dir)
 
 
-def _override_at_fault(message: str, overrides: list[str]) -> str | None:
-    """The last override whose key the error's key path names (or lies under), else None."""
-    for item in reversed(overrides):
-        key = item.split("=", 1)[0].strip()
-        if f"'{key}" in message or message.startswith(f"{key}:") or message.startswith(f"{key}."):
-            return item
-    return None
-
-
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:
     """The typed, validated config of YAML `path` with `overrides` applied. A key or value error names where it was
     written: the YAML file, or the command-line override that set it."""
@@ -503,8 +494,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_mode
     tree = apply_overrides(yaml_tree, overrides)
     try:
         cfg = from_dict(tree)
-    except ConfigError as e:
-        item = _override_at_fault(str(e), overrides)
+    except ConfigError as e:  # blame the last override whose key the error names (or lies under)
+        keys = [(o, o.split("=", 1)[0].strip()) for o in reversed(overrides)]
+        item = next((o for o, k in keys if f"'{k}" in str(e) or str(e).startswith(k)), None)
         where = f"command-line override '{item}'" if item else "command-line overrides"
         raise ConfigError(f"{where}: {e}") from None
     return validate(cfg, check_model=check_model)
