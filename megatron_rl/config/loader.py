@@ -486,10 +486,8 @@ def _check_lora_targets(cfg: Config, model_dir: Path, hf: dict) -> None:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, check_model: bool = True) -> Config:
-    """The typed, validated config of YAML `path` with `overrides` applied. A key or value error names where it was
-    written: the YAML file, or the command-line override that set it."""
-    overrides = list(overrides or [])
-    yaml_tree = read_yaml_tree(path)
+    """The validated config of YAML `path` + `overrides`; an error names the file or the override that wrote it."""
+    overrides, yaml_tree = list(overrides or []), read_yaml_tree(path)
     from_dict(yaml_tree, source=str(path))  # the file's own errors, blamed on the file
     tree = apply_overrides(yaml_tree, overrides)
     try:
