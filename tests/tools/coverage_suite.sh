@@ -4,6 +4,7 @@
 # subprocess patch (tests/tools/coverage.rc). Also writes the suite profile (tests/tools/suite_profile.py).
 #
 #   bash tests/tools/coverage_suite.sh [OUT_DIR] [pytest args...]     # OUT_DIR default: .cache/coverage
+#   (no pytest args: the default tier in two workers, then the serial tests, as launch/run_tests.sh runs it)
 #
 # Prints the TOTAL line; OUT_DIR gets report.txt, coverage.json and profile.jsonl. Coverage slows the suite (the
 # baseline took 67 min instead of ~45 on a 2-core AMD EPYC with AVX-512): it is a measurement, not what CI runs.
@@ -18,9 +19,17 @@ rm -f "$OUT"/.coverage*
 : > "$OUT/profile.jsonl"  # the profile plugin appends
 cd "$ROOT"
 export COVERAGE_DATA_DIR="$OUT"
+COV=("$ROOT/.venv/bin/python" -m coverage run --rcfile=tests/tools/coverage.rc -m pytest -q -p tests.tools.suite_profile
+     "--suite-profile=$OUT/profile.jsonl")
 rc=0
-"$ROOT/.venv/bin/python" -m coverage run --rcfile=tests/tools/coverage.rc -m pytest -q -p tests.tools.suite_profile \
-  "--suite-profile=$OUT/profile.jsonl" "$@" || rc=$?
+if [ $# -gt 0 ]; then
+  "${COV[@]}" "$@" || rc=$?
+else  # the default tier as launch/run_tests.sh runs it: two xdist workers, then the serial tests alone
+  "${COV[@]}" -n "${MRL_TEST_JOBS:-2}" --dist loadfile --no-loadscope-reorder -m "not slow and not serial" || rc=$?
+  # the second run's own combine must not replace the first's data: keep it under a name `combine` picks up
+  [ -f "$OUT/.coverage" ] && mv "$OUT/.coverage" "$OUT/.coverage.parallel-phase"
+  "${COV[@]}" -m "not slow and serial" || rc=$?
+fi
 # the main process combines its children's files when it ends; combine again for any written after that
 "$ROOT/.venv/bin/python" -m coverage combine --rcfile=tests/tools/coverage.rc -q --append 2>/dev/null || true
 "$ROOT/.venv/bin/python" -m coverage report -i --rcfile=tests/tools/coverage.rc > "$OUT/report.txt" 2>/dev/null || true
