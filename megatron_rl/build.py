@@ -188,16 +188,32 @@ def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
 
 
 def build(cfg: Config, out_dir: Path) -> Components:
-    from megatron_rl.distributed.parallel_dims import layout_of
-    from megatron_rl.generation.pool import GeneratorPool
-    from megatron_rl.rewards.reward_fn import RewardFn
-
     plat = get_platform()
     # model vs tokenizer vs config vs this machine: a ConfigError naming the key before anything starts
     tok = preflight(cfg)
     model_dir = resolve_model_dir(cfg.policy.model)
     tok, stream, val_items = build_data(cfg, tok)
-    reward_fn = RewardFn(cfg.reward, cfg.data.source)
+    env_pool = None
+    if cfg.environment.cls is not None:
+        # multi-turn: the environments' worker processes first (a class that will not load, or kwargs it rejects,
+        # are named before Ray starts); their reward replaces the verifier's, which then has no pool to start
+        from megatron_rl.environments.runner import EnvironmentPool
+
+        env_pool = EnvironmentPool.from_config(cfg.environment)
+    try:
+        return _build(cfg, out_dir, plat, tok, model_dir, stream, val_items, env_pool)
+    except BaseException:
+        if env_pool is not None:
+            env_pool.shutdown()
+        raise
+
+
+def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_items, env_pool) -> Components:
+    from megatron_rl.distributed.parallel_dims import layout_of
+    from megatron_rl.generation.pool import GeneratorPool
+    from megatron_rl.rewards.reward_fn import RewardFn
+
+    reward_fn = RewardFn(cfg.reward, cfg.data.source) if env_pool is None else None
 
     c = cfg.cluster
     layout = layout_of(cfg)  # the loader validated the same layout
@@ -242,12 +258,6 @@ def build(cfg: Config, out_dir: Path) -> Components:
     handover.generator = generator
     handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()
-    env_pool = None
-    if cfg.environment.cls is not None:  # multi-turn: the environments' worker processes (loading errors name the key)
-        from megatron_rl.environments.runner import EnvironmentPool
-
-        e = cfg.environment
-        env_pool = EnvironmentPool.from_config(e)
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool,
                       teacher)
 

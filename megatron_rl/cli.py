@@ -94,6 +94,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         from megatron_rl.config.preflight import preflight
 
         preflight(cfg, machine=False)  # model and tokenizer vs config; not this machine (the run may go elsewhere)
+        if cfg.environment.cls is not None:
+            # environment.cls imported and one instance built with environment.kwargs, in a worker process as in a
+            # run (a missing module, misspelt class or rejected kwarg is named here, not after Ray's start-up)
+            from megatron_rl.environments.runner import EnvironmentPool
+
+            EnvironmentPool(cfg.environment.cls, cfg.environment.kwargs, 1, cfg.environment.timeout_s).shutdown()
         print(json.dumps(to_dict(cfg), indent=2))
         return 0
     from megatron_rl.build import run

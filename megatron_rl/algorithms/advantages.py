@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -89,6 +89,19 @@ def groups_with_signal(rewards: Tensor) -> Tensor:
     """
     r, _ = sanitize_rewards(rewards)
     return r.amax(dim=1) != r.amin(dim=1)
+
+
+class Sample(NamedTuple):
+    """One completion of a group: a payload is (PromptItem, [Sample] * G). A tuple, so old rollout states (plain
+    lists, `async_rollouts.rollout_from_state`) read back as Sample(*fields); what only samples.jsonl shows goes in
+    `record`, not in a new field every consumer must know."""
+    ids: list
+    logprobs: list
+    text: str
+    finish: str  # "stop" | "length"
+    answer: Any = None  # what the verifier extracted (samples.jsonl); None for multi-turn
+    loss_mask: Any = None  # multi-turn: a bool tensor over the response, True on sampled tokens
+    record: Optional[dict] = None  # more fields of its samples.jsonl line (multi-turn: turns, env_error)
 
 
 @dataclass

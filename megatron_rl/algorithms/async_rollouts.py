@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.algorithms.advantages import SampledGroups
+from megatron_rl.algorithms.advantages import Sample, SampledGroups
 from megatron_rl.algorithms.rollout import sample_groups
 
 
@@ -106,7 +106,7 @@ class RolloutPipeline:
 
 def rollout_to_state(r: SampledRollout) -> dict:
     g = r.groups
-    # a sample is (tokens, logprobs, text, finish reason[, extracted answer]): the answer is absent in older states
+    # a sample (advantages.Sample) as a list; older states end after the finish reason or the answer
     payloads = [[dataclasses.asdict(item), [[list(s[0]), list(s[1]), *s[2:]] for s in samples]]
                 for item, samples in g.payloads]
     return {"step": r.step, "weights_step": r.weights_step, "sampling_s": r.sampling_s, "payloads": payloads,
@@ -118,7 +118,7 @@ def rollout_to_state(r: SampledRollout) -> dict:
 def rollout_from_state(d: dict) -> SampledRollout:
     from megatron_rl.data.datasets import PromptItem
 
-    payloads = [(PromptItem(**item), [tuple(x) for x in samples]) for item, samples in d["payloads"]]
+    payloads = [(PromptItem(**item), [Sample(*x) for x in samples]) for item, samples in d["payloads"]]
     groups = SampledGroups(payloads=payloads, rewards=torch.as_tensor(d["rewards"]), rounds=d["rounds"],
                            num_drawn=d["num_drawn"], num_dropped=d["num_dropped"], num_surplus=d["num_surplus"],
                            per_round_kept=list(d["per_round_kept"]))

@@ -4,7 +4,7 @@ mask as a sixth field. The environment's reward replaces the reward section's ve
 are then over whole trajectories, exactly as over single completions.
 
 Per-step metrics (summed here, averaged by the caller where named *_mean): turns_mean, tool_calls_mean, env_errors,
-observation_tokens, env_s.
+observation_tokens, env_s, and env/<name>: the environment's own step metrics, per trajectory on average.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from megatron_rl.algorithms.advantages import dynamic_sample
+from megatron_rl.algorithms.advantages import Sample, dynamic_sample
 from megatron_rl.algorithms.multiturn import Limits, LocalEngines, RayEngines, run_trajectories
+from megatron_rl.algorithms.samples import episode_fields
 from megatron_rl.config.schema import Config
 
 _calls = itertools.count()  # trajectory keys stay unique over a run's draws (the pool refuses a live key)
@@ -50,6 +51,7 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
     totals: dict = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_samples": 0, "num_truncated": 0,
                     "reward_s": 0.0, "env_s": 0.0, "env_errors": 0, "observation_tokens": 0, "turns": 0,
                     "tool_calls": 0}
+    env_sums: dict = {}
 
     def draw(n: int):
         items = stream.next_batch(n)
@@ -58,6 +60,8 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
                                      version=version)
         totals["env_s"] += st["env_s"]
         totals["env_errors"] += st["env_errors"]
+        if "env_error_first" in st:
+            totals.setdefault("env_error_first", st["env_error_first"])
         payloads, rewards = [], []
         for i, it in enumerate(items):
             group = trajs[i * G:(i + 1) * G]
@@ -72,8 +76,11 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
                 resp = head + t.response_ids
                 # an environment failure is no truncation (the DAPO overlong filter must not drop it as one)
                 finish = "length" if t.finish == "length" else "stop"
-                samples.append((resp, [0.0] * len(head) + t.gen_logprobs, tokenizer.decode(t.response_ids), finish,
-                                None, torch.tensor([False] * len(head) + t.mask, dtype=torch.bool)))
+                samples.append(Sample(resp, [0.0] * len(head) + t.gen_logprobs, tokenizer.decode(t.response_ids),
+                                      finish, None, torch.tensor([False] * len(head) + t.mask, dtype=torch.bool),
+                                      record=episode_fields(t, tokenizer)))
+                for k, v in t.metrics.items():  # the environment's own step metrics, summed over the trajectory
+                    env_sums[k] = env_sums.get(k, 0.0) + v
                 totals["num_generated_tokens"] += sum(t.mask)
                 totals["observation_tokens"] += t.observation_tokens
                 totals["turns"] += t.turns
@@ -91,6 +98,9 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
     totals.update(num_groups_dropped=groups.num_dropped, sampling_rounds=groups.rounds,
                   turns_mean=totals.pop("turns") / n, tool_calls_mean=totals.pop("tool_calls") / n,
                   rollout_s=time.perf_counter() - t0)
+    # metrics.jsonl: env/<name> is the mean per trajectory of what its steps reported (a name of the environment's
+    # own cannot collide with the loop's metrics)
+    totals.update({f"env/{k}": v / n for k, v in sorted(env_sums.items())})
     return groups, totals
 
 

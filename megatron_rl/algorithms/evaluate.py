@@ -83,10 +83,11 @@ def _evaluate_episodes(generator, items, env_pool, tokenizer, cfg, *, n: int, te
            "val_tool_calls_mean": sum(t.metrics.get("tool_calls", 0) for t in trajs) / max(len(trajs), 1),
            "val_env_errors": st["env_errors"]}
     if keep > 0:
-        from megatron_rl.algorithms.samples import sample_record
+        from megatron_rl.algorithms.samples import episode_fields, sample_record
 
-        out["samples"] = [sample_record(0, "val", i, 0, items[i], texts[i * n], None, trajs[i * n].reward,
-                                        trajs[i * n].finish) for i in range(min(keep, len(items)))]
+        out["samples"] = [{**sample_record(0, "val", i, 0, items[i], texts[i * n], None, trajs[i * n].reward,
+                                           trajs[i * n].finish), **episode_fields(trajs[i * n], tokenizer)}
+                          for i in range(min(keep, len(items)))]
     return out
 
 
@@ -192,23 +193,25 @@ def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: fl
     if ds is None:
         raise DataError("data.val_path is not set: there are no held-out prompts to evaluate")
     items = [it for it in (ds.item(i) for i in range(min(num_prompts, len(ds)))) if it is not None]
-    reward_fn = RewardFn(cfg.reward, cfg.data.source)
-    env_pool = None
-    t0 = time.time()
-    gen = build_engine(cfg, model)
-    try:
-        if cfg.environment.cls is not None:
-            from megatron_rl.environments.runner import EnvironmentPool
+    env_pool = reward_fn = None
+    if cfg.environment.cls is not None:  # before the engine: a class that will not load is named at once
+        from megatron_rl.environments.runner import EnvironmentPool
 
-            env_pool = EnvironmentPool.from_config(cfg.environment)
+        env_pool = EnvironmentPool.from_config(cfg.environment)
+    t0 = time.time()
+    gen = None
+    try:
+        # multi-turn: the environment's reward is the score, so no verifier pool
+        reward_fn = RewardFn(cfg.reward, cfg.data.source) if env_pool is None else None
+        gen = build_engine(cfg, model)
         result = evaluate(gen, items, reward_fn, tok, n=n,
                           temperature=temperature if temperature is not None else cfg.generation.temperature,
                           top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens, env_pool=env_pool,
                           cfg=cfg, every_sample=every_sample)
     finally:
-        gen.shutdown()
-        reward_fn.close()
-        if env_pool is not None:
-            env_pool.shutdown()
+        for close in (getattr(gen, "shutdown", None), getattr(reward_fn, "close", None),
+                      getattr(env_pool, "shutdown", None)):
+            if close is not None:
+                close()
     result["seconds"] = round(time.time() - t0, 2)
     return result

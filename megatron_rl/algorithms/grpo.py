@@ -26,8 +26,8 @@ from megatron_rl.algorithms.distill_loss import DistillLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
 from megatron_rl.algorithms.rollout import build_rollout
 
-MULTITURN_METRICS = ("turns_mean", "tool_calls_mean", "env_errors", "observation_tokens", "env_s")
 from megatron_rl.algorithms.samples import pick_train_samples
+from megatron_rl.algorithms.step_warnings import WarningGate, step_warnings
 from megatron_rl.algorithms.trainable import rescale_metrics, trainable_part, why_not_skippable
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
 from megatron_rl.algorithms.tracking import Tracker
@@ -38,6 +38,9 @@ from megatron_rl.algorithms.trainer import save as _save
 from megatron_rl.config import Config
 from megatron_rl.distributed.parallel_dims import layout_of
 from megatron_rl.platform import device_telemetry
+
+# multi-turn rollouts' own metrics (episodes.py); env_error_first is the first failure's "trajectory: kind: detail"
+MULTITURN_METRICS = ("turns_mean", "tool_calls_mean", "env_errors", "env_error_first", "observation_tokens", "env_s")
 
 
 class EmptyStepsAbort(RuntimeError):
@@ -99,7 +102,7 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
            "num_generated_tokens": gstats.get("num_generated_tokens", 0),
            "num_prompt_tokens": gstats.get("num_prompt_tokens", 0)}
     # multi-turn rollouts (algorithms/episodes.py): what the environments did
-    rec.update({k: gstats[k] for k in MULTITURN_METRICS if k in gstats})
+    rec.update({k: v for k, v in gstats.items() if k in MULTITURN_METRICS or k.startswith("env/")})
     if rewards.numel():  # over the kept groups; absent (not 0) when dynamic sampling dropped every group
         rec.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if rewards.numel() > 1 else 0.0)
     if len(batch) == 0:
@@ -221,6 +224,7 @@ class GRPO(Algorithm):
         self.pipeline = None
         self.empty = 0
         self.samples: list[dict] = []
+        self.warn = WarningGate()
 
     def begin(self, start: int, driver_state: dict) -> None:
         cfg, c = self.cfg, self.c
@@ -257,6 +261,7 @@ class GRPO(Algorithm):
         tracker.log_samples(step, "train", self.samples)  # before any abort: the completions say why
         if not rec["no_trainable_groups"]:
             self.weights_step = step
+        self.warn(step_warnings(rec, self.cfg))
         self.empty = self.empty + 1 if rec["no_trainable_groups"] else 0
         if self.empty:
             print(f"[megatron-rl] step {step}: no trainable group ({rec['num_groups_dropped']} dropped with "

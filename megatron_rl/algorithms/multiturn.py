@@ -39,6 +39,7 @@ class Trajectory:
     item: Any
     messages: list[dict]
     prompt_ids: list[int]
+    opened: int = 0  # how many of `messages` reset() gave (the rest: assistant turns and observations)
     ids: list[int] = field(default_factory=list)  # prompt + every turn's sampled ids + observations
     mask: list[bool] = field(default_factory=list)  # per token after the prompt: True = sampled (trained)
     gen_logprobs: list[float] = field(default_factory=list)  # per token after the prompt (0 on observations)
@@ -150,7 +151,7 @@ def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Li
         if not isinstance(messages, list):  # a runner.Failure
             _fail(t, f"{messages.kind}: {messages.detail}", stats)
             continue
-        t.messages = list(messages)
+        t.messages, t.opened = list(messages), len(messages)
         t.prompt_ids = prompt_ids(tokenizer, t.messages)
         t.ids = list(t.prompt_ids)
         queue[t.group % len(engines)].append(_request(t, limits))
@@ -186,7 +187,7 @@ def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Li
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     t.metrics[k] = t.metrics.get(k, 0) + v
             if "env_error" in (r.metrics or {}):
-                _fail(t, str(r.metrics["env_error"]), stats)
+                _fail(t, f"{r.metrics['env_error']}: {r.metrics.get('env_error_detail', '')}", stats)
                 continue
             t.reward += float(r.reward)
             if r.done:
@@ -268,3 +269,4 @@ def _fail(t: Trajectory, reason: str, stats: dict) -> None:
     wrong answer)."""
     t.done, t.finish, t.env_error, t.reward = True, "env_error", reason, 0.0
     stats["env_errors"] += 1
+    stats.setdefault("env_error_first", f"{t.key}: {reason}")  # what the console's warning quotes

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rl.algorithms.advantages import dynamic_sample, group_advantages
+from megatron_rl.algorithms.advantages import Sample, dynamic_sample, group_advantages
 from megatron_rl.config.schema import Config
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.rewards.shaping import overlong_penalty
@@ -55,8 +55,8 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         payloads = []
         for i, it in enumerate(items):
             idx = list(res.for_prompt(i))
-            payloads.append((it, [(res.token_ids[k], res.logprobs[k], texts[k], res.finish_reasons[k], answers[k])
-                                  for k in idx]))
+            payloads.append((it, [Sample(res.token_ids[k], res.logprobs[k], texts[k], res.finish_reasons[k],
+                                         answers[k]) for k in idx]))
         return payloads, torch.tensor(rewards, dtype=torch.float32).view(len(items), G)
 
     groups = dynamic_sample(draw, cfg.grpo.num_prompts_per_step, cfg.grpo.advantage)
@@ -73,9 +73,9 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
     ids, plens, advs, gen_lps, gids, texts, masks = [], [], [], [], [], [], []
     for gi, (item, samples) in enumerate(groups.payloads):
-        # a sample: (response ids, logprobs, text, finish reason, extracted answer[, loss mask: multi-turn,
-        # episodes.py])
-        for j, (tok, lps, text, finish, *rest) in enumerate(samples):
+        for j, sample in enumerate(samples):
+            tok, lps, text, finish = sample[:4]
+            loss_mask = Sample(*sample).loss_mask  # multi-turn (episodes.py): observations are not trained
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
                 continue
@@ -88,7 +88,7 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
             gen_lps.append(torch.tensor(lps, dtype=torch.float32))
             gids.append(gi)
             texts.append(text)
-            masks.append(rest[1] if len(rest) > 1 else None)
+            masks.append(loss_mask)
     multiturn = any(m is not None for m in masks)
     batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids,
                          loss_mask=[m if m is not None else torch.ones(len(i) - p, dtype=torch.bool)

@@ -7,6 +7,9 @@ the verifier reads \\boxed{}, answers cut off by max_new_tokens). Each kept samp
     {"step": 3, "split": "train", "group": 0, "sample": 0, "prompt": "...", "completion": "...", "answer": "7",
      "reference": "7", "reward": 1.0, "finish_reason": "stop"}
 
+A multi-turn sample's `prompt` is the conversation the environment's reset() opened, as the model saw it; its
+`completion` is the transcript with each turn's role ("[assistant] ...", "[tool] ..."), `turns` the same as
+messages, and `env_error` the environment's error ("kind: detail") when one ended the trajectory.
 `answer` is what the verifier extracted (null: none in the configured reward.answer_format), `reward` the value the
 step trained on (format bonus and overlong penalty included) or, for split "val", the greedy validation reward.
 Like metrics.jsonl, the file is append-only and a resumed run first drops lines for steps past its checkpoint.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from megatron_rl.algorithms.advantages import Sample
 
 PROMPT_CHARS = 2000  # the prompt's tail (the problem; few-shot examples and the system prompt come first)
 TABLE_CHARS = 300  # per cell of the text tables: TensorBoard and the trackers render whole strings
@@ -35,6 +40,18 @@ def sample_record(step: int, split: str, group: int, sample: int, item, completi
     return rec
 
 
+def episode_fields(traj, tokenizer) -> dict:
+    """A multi-turn trajectory's samples.jsonl fields (`multiturn.Trajectory`): the prompt as the model saw it (the
+    conversation reset() opened, rendered by the chat template; not the dataset row), the completion as a transcript
+    with each turn's role, the turns themselves, and the environment's error when one ended it."""
+    turns = [{"role": m.get("role"), "content": m.get("content")} for m in traj.messages[traj.opened:]]
+    rec = {"prompt": _tail(tokenizer.decode(traj.prompt_ids), PROMPT_CHARS) if traj.prompt_ids else "",
+           "completion": "\n".join(f"[{m['role']}] {m['content']}" for m in turns), "turns": turns}
+    if traj.env_error:
+        rec["env_error"] = traj.env_error
+    return rec
+
+
 def pick_train_samples(groups, k: int, step: int) -> list[dict]:
     """k samples of a step's kept groups (`advantages.SampledGroups`), spread over them: every group's first
     sample, then every group's second, ... so a step with fewer groups than k still shows k completions."""
@@ -45,9 +62,10 @@ def pick_train_samples(groups, k: int, step: int) -> list[dict]:
             if len(out) >= k:
                 return out
             if j < len(samples):
-                _tok, _lps, text, finish, *rest = samples[j]
-                out.append(sample_record(step, "train", gi, j, item, text, rest[0] if rest else None,
-                                         float(groups.rewards[gi, j]), finish))
+                s = Sample(*samples[j])
+                rec = sample_record(step, "train", gi, j, item, s.text, s.answer, float(groups.rewards[gi, j]),
+                                    s.finish)
+                out.append({**rec, **(s.record or {})})
     return out
 
 

@@ -339,7 +339,8 @@ def _validate_data(cfg: Config) -> None:
             if not value or any(not part for part in value.split(".")):
                 raise ConfigError(f"data.{key}={value!r} must be a field name or a dotted path into nested fields "
                                   "(e.g. reward_model.ground_truth)")
-    if cfg.reward.kind == "reasoning_gym" and d.source != "reasoning_gym":
+    # a multi-turn run's reward is the environment's: the verifier is never asked
+    if cfg.reward.kind == "reasoning_gym" and d.source != "reasoning_gym" and cfg.environment.cls is None:
         raise ConfigError(f"reward.kind=reasoning_gym scores reasoning-gym tasks only, not data.source={d.source}; "
                           "use reward.kind=auto (math-verify for jsonl and hf data) or math")
 

@@ -3,16 +3,21 @@
 A random tiny model writes no parsable tool call or guess, so these answer whatever it writes: `Turns` replies for
 `turns` turns (a user message and a tool message alternately, so both roles' template markers appear), with a 0.25
 reward per step and 1.0 at the end (with `vary`, the end's reward is instead the last reply's length mod 3 over 2, so a
-GRPO group's rewards differ); item["fail_at"] makes it raise at that step (an environment error)."""
+GRPO group's rewards differ); item["fail_at"] makes it raise at that step (an environment error), and so does every
+`fail_every`-th instance a worker process builds at its first step (a CLI run's rows carry no fail_at)."""
 from megatron_rl.environments.interface import Environment, StepResult
 
 
 class Turns(Environment):
-    def __init__(self, turns: int = 3, vary: bool = False):
+    made = 0  # instances built in this worker process (its start-up probe included)
+
+    def __init__(self, turns: int = 3, vary: bool = False, fail_every: int = 0):
         self.turns, self.vary, self.seen = turns, vary, 0
+        Turns.made += 1
+        self.fails_first = bool(fail_every) and Turns.made % fail_every == 0
 
     def reset(self, item):
-        self.fail_at = item.get("fail_at")
+        self.fail_at = item.get("fail_at") or (1 if self.fails_first else None)
         return [{"role": "system", "content": "Answer in a few words."},
                 {"role": "user", "content": item["question"]}]
 

