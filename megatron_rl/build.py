@@ -87,6 +87,11 @@ def policy_worker_class(backend: str) -> type:
     return MegatronPolicyWorker
 
 
+def say(t0: float, what: str) -> None:
+    """A start-up progress line: Ray, the ranks and the engines take a minute on 2 cores before the first step."""
+    print(f"[megatron-rl] start-up {time.monotonic() - t0:5.1f} s: {what}", flush=True)
+
+
 def start_cluster(cfg: Config, out_dir: Path, n_bundles: int):
     """Ray and the placement (`n_bundles` devices): (placement, the logs folder)."""
     from megatron_rl.distributed.cluster import init_ray, reserve
@@ -178,7 +183,10 @@ def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
     from megatron_rl.distributed.parallel_dims import layout_of
 
     world = layout_of(cfg).policy.world_size
+    t0 = time.monotonic()
+    say(t0, f"Ray and {world} {cfg.policy.backend} policy rank(s) ({cfg.policy.model})")
     placement, policy, _ = start_policy(cfg, out_dir, world, world, 1.0, data.max_steps)
+    say(t0, "policy ready")
     # no generator: nothing sleeps, wakes, offloads or refits; the trainer holds its devices throughout, the same
     # code on CPU and GPU (tests/integration/test_sft_dpo_cli.py runs it, DPO at DP = 2 included)
     handover = Handover(policy, None, colocated=False, bucket_bytes=BUCKET_BYTES,
@@ -188,6 +196,7 @@ def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
 
 
 def build(cfg: Config, out_dir: Path) -> Components:
+    t0 = time.monotonic()
     plat = get_platform()
     # model vs tokenizer vs config vs this machine: a ConfigError naming the key before anything starts
     tok = preflight(cfg)
@@ -200,15 +209,18 @@ def build(cfg: Config, out_dir: Path) -> Components:
         from megatron_rl.environments.runner import EnvironmentPool
 
         env_pool = EnvironmentPool.from_config(cfg.environment)
+    say(t0, "config, model, data" + (f" and {cfg.environment.num_workers} environment worker(s)" if env_pool else "")
+        + " checked")
     try:
-        return _build(cfg, out_dir, plat, tok, model_dir, stream, val_items, env_pool)
+        return _build(cfg, out_dir, plat, tok, model_dir, stream, val_items, env_pool, t0)
     except BaseException:
         if env_pool is not None:
             env_pool.shutdown()
         raise
 
 
-def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_items, env_pool) -> Components:
+def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_items, env_pool,
+           t0: float) -> Components:
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.generation.pool import GeneratorPool
     from megatron_rl.rewards.reward_fn import RewardFn
@@ -232,13 +244,16 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
         from megatron_rl.generation.lora_serving import serving_spec
 
         lora = serving_spec(cfg.policy.lora, model_dir, cfg.policy.backend)
+    say(t0, f"Ray: {n_bundles} {'GPU' if plat.is_gpu else 'CPU'} slot(s)")
     placement, logs = start_cluster(cfg, out_dir, n_bundles)
+    say(t0, f"{world} {cfg.policy.backend} policy rank(s) set up while {len(gen_bundles)} vLLM engine(s) import")
     # the engines' processes import vLLM (~5 s of a core on CPU) while the policy ranks set up; each builds its
     # engine (weights, KV cache on the device) only in start_engines below, after the trainer left the device
     engines = spawn_engines(cfg, placement, logs, gen_bundles, share, gen_threads, model_dir, lora)
     policy = start_ranks(cfg, placement, logs, sharing, layout.policy_share, cfg.grpo.max_steps)
     teacher = None
     if cfg.distillation is not None:  # on the policy's bundles
+        say(t0, f"teacher {cfg.distillation.teacher}")
         if c.colocated:
             # the teacher's setup loads its weights onto the policy's devices: the trainer's state leaves first, so
             # the two are never resident together (an 8B student's training state plus a 32B teacher exceed 80 GB);
@@ -253,11 +268,13 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
                         teacher=teacher)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
+    say(t0, f"{len(gen_bundles)} vLLM engine(s) load the weights and size the KV cache")
     generator = GeneratorPool(engines)
     generator.start_engines()  # every engine up (an engine that cannot start fails here, named)
     handover.generator = generator
     handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()
+    say(t0, "ready")
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool,
                       teacher)
 

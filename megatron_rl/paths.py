@@ -24,6 +24,10 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "megatron_rl"
 
 
+# an HF export's copy of the training run's config.yaml (weights/convert.py writes it, `megatron-rl eval` reads it)
+EXPORT_RUN_CONFIG = "megatron_rl.yaml"
+
+
 def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct) as a plain HF folder, made by `launch/setup_env.sh`."""
     return cache_dir() / "models" / "SmolLM2-135M-Instruct"

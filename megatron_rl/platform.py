@@ -19,6 +19,9 @@ import torch
 SLOT_ENV = "MEGATRON_RL_DEVICE_SLOT"  # the placement bundle Ray put this process on (set by distributed/cluster.py)
 
 
+
+MASKED_ROW_TOKENS = 1024  # CPU: the longest training row `packing: auto` still gives an explicit mask (none)
+
 @dataclass(frozen=True)
 class Platform:
     device_type: str  # "cuda" or "cpu"
@@ -43,6 +46,13 @@ class Platform:
         attention with the mask (models/varlen_attention.dense_attention), so they no longer hold [b, h, s, s]
         scores in every layer either."""
         return "varlen" if self.is_gpu else "none"
+
+    def packing_for(self, row_tokens: int) -> str:
+        """`policy.packing: auto` for a run whose training rows hold up to `row_tokens` tokens
+        (`Config.longest_train_row`). CPU: `default_packing` (none) up to MASKED_ROW_TOKENS, varlen above: a longer
+        row's explicit mask and its per-layer attention grow with its square (the tool demo's ~900-token group rows
+        took a worker to 19.4 GB before configs/tool_math_cpu.yaml chose varlen, 2026-12-01)."""
+        return "varlen" if self.is_gpu or row_tokens > MASKED_ROW_TOKENS else self.default_packing
 
     @property
     def moe_token_dispatcher(self) -> str:

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: float, top_p: float, max_tokens: int,
@@ -116,12 +117,32 @@ examples:
       --samples-out samples.jsonl       # then SFT examples / DPO pairs from it: docs/sft_dpo.md"""
 
 
+def run_config_of(model: str) -> Path | None:
+    """The config of the run that trained `model`, so that eval without --config prompts and scores as training did:
+    megatron_rl.yaml in the HF folder (convert megatron-to-hf copies it there), else the config.yaml of a run folder it sits in (runs/x/hf,
+    runs/x/checkpoints/step_N/hf). Only a file a megatron-rl run wrote counts (its `algorithm` and `policy` keys)."""
+    import yaml
+
+    from megatron_rl.paths import EXPORT_RUN_CONFIG
+
+    d = Path(model)
+    for path in (d / EXPORT_RUN_CONFIG, *(p / "config.yaml" for p in list(d.parents)[:3])):
+        try:
+            tree = yaml.safe_load(path.read_text()) if path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(tree, dict) and "algorithm" in tree and "policy" in tree:
+            return path
+    return None
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder (e.g. the output of convert megatron-to-hf; "
                     "\"default\": the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--config", default=None, help="YAML whose data/reward/generation sections to use")
+    ap.add_argument("--config", default=None, help="YAML whose data/reward/generation sections to use (default: the "
+                    "training run's, found beside the model; else the schema's defaults)")
     ap.add_argument("--data", default=None, help="reasoning-gym task name (overrides the config)")
     ap.add_argument("--jsonl", default=None, help="JSONL file with problem/answer (overrides --data)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt (k of pass@k; default 4)")
@@ -139,9 +160,13 @@ def main(argv: list[str]) -> int:
     from megatron_rl.config import ConfigError, load_config
 
     overrides = list(args.overrides) + eval_overrides(args.model, data=args.data, jsonl=args.jsonl)
+    config = args.config or run_config_of(args.model)
+    if config and not args.config:
+        print(f"[megatron-rl] eval: the training run's config {config} (its prompt, reward and sampling; --config "
+              "to use another)", file=sys.stderr, flush=True)
     try:
-        if args.config:
-            cfg = load_config(args.config, overrides)
+        if config:
+            cfg = load_config(config, overrides)
         else:
             from megatron_rl.config.loader import apply_overrides, from_dict, validate
 

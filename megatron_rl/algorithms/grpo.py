@@ -30,7 +30,7 @@ from megatron_rl.algorithms.samples import pick_train_samples
 from megatron_rl.algorithms.step_warnings import WarningGate, step_warnings
 from megatron_rl.algorithms.trainable import rescale_metrics, trainable_part, why_not_skippable
 from megatron_rl.algorithms.throughput import matmul_params_of, phase_flops_per_s
-from megatron_rl.algorithms.tracking import Tracker
+from megatron_rl.algorithms.tracking import Tracker, trend_line, validation_line
 from megatron_rl.algorithms.trainer import (Algorithm, CheckpointSaveError, NonFiniteAbort, checkpoint_root,  # noqa: F401
                                             run_loop)
 from megatron_rl.algorithms.trainer import resume as _resume  # noqa: F401  (tests and benches import them from here)
@@ -55,7 +55,7 @@ def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> di
                       max_tokens=g.max_new_tokens, version=c.handover.version, keep=cfg.logging.samples_per_step,
                       **episodes)
     tracker.log_samples(step, "val", [{**r, "step": step} for r in greedy.get("samples", [])])
-    out = {"val_accuracy": greedy["val_accuracy"]}
+    out = {"val_accuracy": greedy["val_accuracy"], "val_num_prompts": greedy["val_num_prompts"]}
     if cfg.grpo.val_pass_k > 0:
         sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
                            temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens,
@@ -216,7 +216,7 @@ class GRPO(Algorithm):
     def __init__(self, cfg: Config, c, t_start: float):
         self.cfg, self.c, self.t_start = cfg, c, t_start
         g = cfg.grpo
-        self.max_steps, self.max_nonfinite_steps = g.max_steps, g.max_nonfinite_steps
+        self.max_steps, self.max_nonfinite_steps, self.max_minutes = g.max_steps, g.max_nonfinite_steps, g.max_minutes
         self.val_every = g.val_every if c.val_items else 0
         self.keeps_samples = cfg.logging.samples_per_step > 0
         # distillation: the same loop and loss with the teacher's per-token advantage (algorithms/distill_loss.py)
@@ -304,16 +304,14 @@ def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:
     steps = [r["reward_mean"] for r in h if "reward_mean" in r]  # validation-only records carry no reward
     if not steps:
         return
-    k = min(5, len(steps))
-    first, last = sum(steps[:k]) / k, sum(steps[-k:]) / k
     vals = [r for r in h if r.get("val_accuracy") is not None]
-    print(f"[megatron-rl] done: reward_mean first {k} steps {first:.3f} -> last {k} steps {last:.3f}")
+    print(f"[megatron-rl] done: {trend_line('reward_mean', steps, '.3f')}")
     if vals:
         best = max(vals, key=lambda r: r["val_accuracy"])
-        print(f"[megatron-rl] validation greedy accuracy {vals[0]['val_accuracy']:.3f} (step {vals[0]['step']}) -> "
-              f"{vals[-1]['val_accuracy']:.3f} (step {vals[-1]['step']}); best {best['val_accuracy']:.3f} at step "
-              f"{best['step']}, {best.get('time_since_start_s', 0) / 60:.1f} min after start "
-              f"(up to {cfg.grpo.val_num_prompts} held-out prompts)")
+        n = vals[-1].get("val_num_prompts")
+        print(f"[megatron-rl] {validation_line('validation greedy accuracy', vals, 'val_accuracy', '.3f')}; best "
+              f"{best['val_accuracy']:.3f} at step {best['step']}, {best.get('time_since_start_s', 0) / 60:.1f} min "
+              f"after start" + (f" ({n} held-out prompts)" if n else ""))
     plot = tracker.plot() if cfg.logging.plots else None
     print(f"[megatron-rl] metrics: {(out / 'metrics.jsonl').resolve()}")
     if plot:

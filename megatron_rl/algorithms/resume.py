@@ -25,9 +25,9 @@ from megatron_rl.config import Config, ConfigError, to_dict
 RUN_KEYS = ("data", "policy.model", "policy.tokenizer", "grpo", "reward", "init_from", "generation.temperature",
             "generation.top_p", "generation.top_k", "generation.max_new_tokens", "generation.stop", "environment",
             "distillation")
-# Keys inside those that do not: how long to train (raised to continue a finished run), validation, the run's
+# Keys inside those that do not: how long to train (raised to continue a finished run, or a time budget), validation, the run's
 # abort thresholds, and the verifier's process count and memory cap.
-FREE_KEYS = ("grpo.max_steps", "grpo.val_every", "grpo.val_num_prompts", "grpo.val_pass_k", "grpo.max_nonfinite_steps",
+FREE_KEYS = ("grpo.max_steps", "grpo.max_minutes", "grpo.val_every", "grpo.val_num_prompts", "grpo.val_pass_k", "grpo.max_nonfinite_steps",
              "grpo.max_empty_steps", "grpo.mismatch_guard", "grpo.mismatch_max_token_mult_prob_error",
              "grpo.mismatch_max_gen_kl_error", "data.val_seed", "data.val_path", "reward.num_workers",
              "reward.worker_memory_mb", "environment.num_workers", "environment.timeout_s")

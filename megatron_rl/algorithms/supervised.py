@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_rl.algorithms.supervised_batches import ExampleStream, pair_batch, sft_batch, steps_for
 from megatron_rl.algorithms.supervised_loss import DPOLossFn, SFTLossFn, batch_inputs
-from megatron_rl.algorithms.tracking import SUPERVISED_PLOTS, Tracker
+from megatron_rl.algorithms.tracking import SUPERVISED_PLOTS, Tracker, trend_line, validation_line
 from megatron_rl.algorithms.trainer import Algorithm, checkpoint_root, save
 from megatron_rl.config import Config
 from megatron_rl.data.datasets import DataError
@@ -136,14 +136,10 @@ class Supervised(Algorithm):
     def summary(self, tracker: Tracker, out: Path) -> None:
         h = [r for r in tracker.history if r.get("loss") is not None]
         if h:
-            k = min(5, len(h))
-            first = sum(r["loss"] for r in h[:k]) / k
-            last = sum(r["loss"] for r in h[-k:]) / k
-            print(f"[megatron-rl] done: {self.name} loss first {k} steps {first:.4f} -> last {k} steps {last:.4f}")
+            print(f"[megatron-rl] done: {trend_line(f'{self.name} loss', [r['loss'] for r in h], '.4f')}")
         vals = [r for r in tracker.history if r.get("val_loss") is not None]
         if vals:
-            print(f"[megatron-rl] validation loss {vals[0]['val_loss']:.4f} (step {vals[0]['step']}) -> "
-                  f"{vals[-1]['val_loss']:.4f} (step {vals[-1]['step']})")
+            print(f"[megatron-rl] {validation_line('validation loss', vals, 'val_loss', '.4f')}")
         plot = tracker.plot() if self.cfg.logging.plots else None
         print(f"[megatron-rl] metrics: {(out / 'metrics.jsonl').resolve()}")
         if plot:

@@ -35,6 +35,24 @@ SUPERVISED_PLOTS = [
 ]
 
 
+def trend_line(label: str, values: Sequence[float], fmt: str) -> str:
+    """The run's trend for the closing summary: the mean of the first k steps against the last k, k at most 5 and at
+    most half the steps (windows that overlap would compare a step with itself); a one-step run gives its value."""
+    if len(values) == 1:
+        return f"{label} {values[0]:{fmt}} (one step)"
+    k = min(5, len(values) // 2)
+    first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+    return f"{label} first {k} step{'s' * (k > 1)} {first:{fmt}} -> last {k} step{'s' * (k > 1)} {last:{fmt}}"
+
+
+def validation_line(label: str, vals: list[dict], key: str, fmt: str) -> str:
+    """"<label> a (step 0) -> b (step N)" over the validation records (one record: its value alone)."""
+    first, last = vals[0], vals[-1]
+    if len(vals) == 1:
+        return f"{label} {first[key]:{fmt}} (step {first['step']}; no validation after it)"
+    return f"{label} {first[key]:{fmt}} (step {first['step']}) -> {last[key]:{fmt}} (step {last['step']})"
+
+
 class Tracker:
     def __init__(self, out_dir: str | Path, *, resume_step: int, total_steps: int, tensorboard: bool, plots: bool,
                  progress: bool, plot_every: int = 1, sinks: Sequence = (), samples: bool = True,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from megatron_rl.algorithms.tracking import Tracker
@@ -91,6 +92,8 @@ class Algorithm:
 
     name = "train"
     max_steps: int
+    max_minutes: float | None = None  # a time budget from t_start (grpo.max_minutes): its last step ends the run
+    t_start: float = 0.0  # time.monotonic() when the run started
     val_every: int = 0
     max_nonfinite_steps: int = 3
     nonfinite_key = "max_nonfinite_steps"  # the config key named when the run aborts
@@ -148,8 +151,13 @@ def run_loop(cfg: Config, c, point, algo: Algorithm) -> int:
         if start == 0:
             algo.baseline(tracker)
         nonfinite = 0
+        step_s = 0.0  # the last step's wall time: the estimate of the next one's, for the time budget
         for step in range(start + 1, algo.max_steps + 1):
-            due = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or step == algo.max_steps)
+            t_step = time.monotonic()
+            # the step expected to cross the time budget is the last: it checkpoints and validates like step max_steps
+            last = step == algo.max_steps or (algo.max_minutes is not None and step > start + 1 and
+                                              t_step + step_s - algo.t_start >= algo.max_minutes * 60)
+            due = cfg.checkpoint.every_steps and (step % cfg.checkpoint.every_steps == 0 or last)
             save_failed: list[CheckpointSaveError] = []
 
             def checkpoint(s=step):
@@ -170,12 +178,19 @@ def run_loop(cfg: Config, c, point, algo: Algorithm) -> int:
                 raise NonFiniteAbort(f"{nonfinite} consecutive steps with non-finite loss/gradients "
                                      f"({algo.nonfinite_key}={algo.max_nonfinite_steps}); aborting")
             algo.check_abort(step, rec, tracker)
-            if algo.val_every and step % algo.val_every == 0 and not save_failed:
+            # the last step always validates (when validation is on): a run ends with its held-out score
+            if algo.val_every and (step % algo.val_every == 0 or last) and not save_failed:
                 rec.update(algo.validate(step, tracker))
             tracker.log(rec)
             if save_failed:
                 raise save_failed[0]
             algo.after_log(step, rec)
+            step_s = time.monotonic() - t_step
+            if last and step < algo.max_steps:
+                print(f"[megatron-rl] step {step}: the time budget ({algo.name}.max_minutes={algo.max_minutes}) ends "
+                      f"the run after {(time.monotonic() - algo.t_start) / 60:.1f} min; re-run the command to go on",
+                      flush=True)
+                break
         algo.summary(tracker, out)
         finished = True
         return 0

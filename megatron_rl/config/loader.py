@@ -247,6 +247,8 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
         layout_of(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if g.max_minutes is not None and not g.max_minutes > 0:
+        raise ConfigError(f"grpo.max_minutes must be > 0 (or null: no time budget), got {g.max_minutes}")
     if not 0.0 < cfg.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
     if cfg.generation.temperature <= 0:
@@ -262,7 +264,9 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
     if cfg.policy.packing == "auto":  # fsdp2: none everywhere, its varlen row carries a [t, t] mask (fsdp2_worker)
-        cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().default_packing
+        plat = get_platform()  # megatron: by GRPO's longest row (Platform.packing_for); SFT/DPO: the platform's
+        cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else \
+            plat.packing_for(cfg.longest_train_row()) if cfg.algorithm == "grpo" else plat.default_packing
     if cfg.generation.gpu_memory_utilization is None:
         cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
                                                  else OWN_DEVICE_GPU_MEMORY_UTILIZATION)

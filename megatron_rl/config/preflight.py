@@ -95,8 +95,11 @@ def check_context(cfg: Config, spec, label: str) -> None:
     limit, need = spec.max_position_embeddings, cfg.max_model_len()
     if need <= limit:
         return
+    single = cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens
     if cfg.generation.max_model_len:
         what, fix = f"generation.max_model_len={need}", f"lower it to at most {limit}"
+    elif cfg.environment.cls is not None and need > single:  # a multi-turn trajectory's budget sets the context
+        what, fix = f"environment.max_tokens={need} (a whole multi-turn trajectory)", f"lower it to at most {limit}"
     else:
         what = (f"data.max_prompt_tokens + generation.max_new_tokens = {cfg.data.max_prompt_tokens} + "
                 f"{cfg.generation.max_new_tokens} = {need}")

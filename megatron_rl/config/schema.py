@@ -207,6 +207,9 @@ class AdvantageConfig:
 @dataclass
 class GRPOConfig:
     max_steps: int = 100
+    # a wall-clock budget for this run (from its start, set-up included): the step expected to cross it is the last,
+    # and it validates and saves a checkpoint like the final step; re-running the command resumes. None: no budget
+    max_minutes: Optional[float] = None
     num_prompts_per_step: int = 8
     num_generations_per_prompt: int = 8
     optimizer_steps_per_rollout: int = 1  # >1 keeps a separate "previous logprobs" pass
@@ -442,3 +445,11 @@ class Config:
             return self.generation.max_model_len
         single = self.data.max_prompt_tokens + self.generation.max_new_tokens
         return max(single, self.environment.max_tokens) if self.environment.cls is not None else single
+
+    def longest_train_row(self) -> int:
+        """GRPO's longest training row, at most: a prompt with all G responses of its group when policy.shared_prefix
+        packs them into one row, else one prompt and response (a multi-turn response: the rest of
+        environment.max_tokens)."""
+        prompt = self.data.max_prompt_tokens
+        response = self.max_model_len() - prompt
+        return prompt + response * (self.grpo.num_generations_per_prompt if self.policy.shared_prefix else 1)

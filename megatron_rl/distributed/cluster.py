@@ -17,6 +17,7 @@ group table), and `check_same_node` refuses a group that still spans nodes, befo
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -33,12 +34,19 @@ def _local_auth() -> None:
     first runs race on. Instead, give it a random token made once per process, through the environment (inherited by
     the Ray processes this driver starts; never printed, never written to disk). An explicit RAY_AUTH_MODE (e.g.
     `disabled` on a trusted, firewalled machine) and a token of the user's own (env or ~/.ray/auth_token) win.
-    Only the environment variable is set: Ray itself then switches the mode on, re-reading its config."""
+    Ray's notice that it did so ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled
+    to opt out"), printed on every run, is dropped: it is the expected state here, not news (docs/reliability.md)."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_drop_auth_notice)
     if os.environ.get("RAY_AUTH_MODE") or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return
     if (Path.home() / ".ray" / "auth_token").is_file():
         return
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def _drop_auth_notice(record: logging.LogRecord) -> bool:
+    # the notice that token auth is on, not the warning that it is off (RAY_AUTH_MODE=disabled), which stays
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
 
 # Imported opportunistically by libraries the workers load, though no worker logs to them (trackers run in the

@@ -55,7 +55,7 @@ from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, fsdp2_load, fsdp2_lora, packing
 from megatron_rl.policy.forward_pass import join_process_group
 from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, parallelize, vocab_slice
-from megatron_rl.policy.grad_ops import build_scheduler
+from megatron_rl.policy.grad_ops import build_scheduler, restore_scheduler, scheduler_state
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.router_aux import RouterLogits, aux_loss
@@ -325,9 +325,10 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                 loss.backward()
             reduced.append(reduced_metrics(loss, metrics, mb))
         metrics = sum_metrics(reduced, self.dp_group if self.dp_size > 1 else None)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # what this step trains at (the step ticks the scheduler)
         skipped, grad_norm = self._optimizer_step()
         self.consumed_samples += len(batch)
-        metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]),
+        metrics.update(grad_norm=grad_norm, lr=lr,
                        policy_peak_memory_gb=get_platform().peak_memory_bytes() / 2**30)
         return {"metrics": metrics, "logprobs": own_lp if self.tp_rank == 0 else {}, "skipped": skipped}
 
@@ -415,7 +416,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         from megatron_rl.policy.fsdp2_checkpoint import save_fsdp2_checkpoint
 
         self._require_resident("save a checkpoint")
-        extra_state = {"scheduler": self.scheduler.state_dict(), "step": self.step,
+        extra_state = {"scheduler": scheduler_state(self.scheduler), "step": self.step,
                        "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
                        "driver": extra or {}}
         try:
@@ -433,7 +434,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self._require_resident("load a checkpoint")
         extra = load_fsdp2_checkpoint(path, self.model, self.optimizer) or {}
         if "scheduler" in extra:
-            self.scheduler.load_state_dict(extra["scheduler"])
+            self.scheduler = restore_scheduler(self.scheduler, self.optimizer, self.cfg.optimizer, self.cfg.scheduler,
+                                               self.max_steps, extra["scheduler"])
         self.step = int(extra.get("step", 0))
         self.consumed_samples = int(extra.get("consumed_samples", 0))
         if "rng" in extra:

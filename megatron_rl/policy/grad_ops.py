@@ -80,16 +80,48 @@ def with_aux_loss_coeff(config, coeff: float | None, forward):
     return out
 
 
-def build_scheduler(optimizer, o, s, max_steps: int):
+# How a warm-up of W steps starts. 1 (checkpoints written before 2026-12-05): from lr 0, so the first optimizer
+# step trained at lr 0 and a 1-step warm-up was a wasted step. 2: step i < W trains at lr * (i + 1) / W, so every
+# step moves the weights. Checkpoints record their rule; a resumed run keeps the one it started with.
+SCHEDULE_RULE = 2
+
+
+def build_scheduler(optimizer, o, s, max_steps: int, rule: int = SCHEDULE_RULE):
     """megatron's OptimizerParamScheduler for policy.optimizer `o` and policy.scheduler `s`, over any optimizer with
     torch-style `param_groups` (a megatron optimizer, or the FSDP2 worker's torch AdamW): both backends then follow
     one schedule, weight decay included (each group's `wd_mult` scales it: 0 for biases and norms). Plain Python on
-    the param groups; its construction already sets step 0's lr."""
+    the param groups; its construction already sets step 0's lr. Step i trains at the lr of the scheduler's
+    num_steps = i; the decay reaches min_lr at decay_steps (default max_steps), i.e. after the last step, so the last
+    step's lr is above min_lr. `rule`: SCHEDULE_RULE's comment."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     decay_steps = max(1, s.decay_steps or max_steps)
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if s.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+    w = s.warmup_steps
+    if rule == 1:
+        init_lr, warmup = (0.0 if w else o.lr), w
+    elif rule == 2:  # lr/W at num_steps 0, rising linearly to lr at W - 1
+        init_lr, warmup = (o.lr / w if w else o.lr), max(w - 1, 0)
+    else:
+        raise ValueError(f"unknown schedule rule {rule} (a checkpoint from a newer megatron-rl?)")
+    sched = OptimizerParamScheduler(
+        optimizer, init_lr=init_lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=max(decay_steps, warmup + 1),
         lr_decay_style=s.decay, start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=decay_steps,
         wd_incr_style="constant")
+    sched.rule = rule
+    return sched
+
+
+def scheduler_state(scheduler) -> dict:
+    """What a checkpoint keeps of the scheduler: megatron's state and the warm-up rule it follows."""
+    return {**scheduler.state_dict(), "rule": scheduler.rule}
+
+
+def restore_scheduler(scheduler, optimizer, o, s, max_steps: int, state: dict):
+    """`scheduler` at a checkpoint's `state`; rebuilt under the checkpoint's own rule when it is not today's (no
+    "rule": written before rules were recorded, i.e. rule 1), so a resumed run keeps its schedule."""
+    rule = state.get("rule", 1)
+    if rule != scheduler.rule:
+        scheduler = build_scheduler(optimizer, o, s, max_steps, rule=rule)
+    scheduler.load_state_dict(state)
+    return scheduler

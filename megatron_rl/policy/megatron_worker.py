@@ -36,8 +36,8 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.platform import get_platform
 from megatron_rl.policy import batching, identity_collectives
 from megatron_rl.policy.forward_pass import ForwardPass, build_loaded_model, init_rank
-from megatron_rl.policy.grad_ops import (build_scheduler, clip_to_total_norm, moe_aux_loss_coeff, torch_optimizers,
-                                        use_fused_torch_adam, with_aux_loss_coeff)
+from megatron_rl.policy.grad_ops import (build_scheduler, clip_to_total_norm, moe_aux_loss_coeff, restore_scheduler,
+                                        scheduler_state, torch_optimizers, use_fused_torch_adam, with_aux_loss_coeff)
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.models.lora import adapters_disabled, install_lora
 from megatron_rl.policy.residency import Residency
@@ -179,9 +179,10 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
         self.optimizer.zero_grad()
         reduced_list = self._schedule(mbs, step, forward_only=False)
         metrics = self._sum_metrics(reduced_list)
+        lr = float(self.optimizer.param_groups[0]["lr"])  # what this step trains at (the step ticks the scheduler)
         skipped, grad_norm = self._optimizer_step()
         self.consumed_samples += len(batch)
-        metrics.update(grad_norm=grad_norm, lr=float(self.optimizer.param_groups[0]["lr"]),
+        metrics.update(grad_norm=grad_norm, lr=lr,
                        policy_peak_memory_gb=get_platform().peak_memory_bytes() / 2**30)
         if not self.is_output_rank:
             return None
@@ -221,7 +222,7 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
         self._require_resident("save a checkpoint")
         if not self._has_optimizer_state():  # a save before the first update (e.g. only empty steps so far)
             self._materialize_optimizer_state()
-        extra_state = {"scheduler": self.scheduler.state_dict(), "step": self.step,
+        extra_state = {"scheduler": scheduler_state(self.scheduler), "step": self.step,
                        "consumed_samples": self.consumed_samples, "rng": get_platform().rng_state(),
                        "driver": extra or {}}
         opt_sd = self.optimizer.sharded_state_dict(self.gpt.sharded_state_dict(), metadata=_OPT_CKPT_META)
@@ -249,7 +250,8 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
         use_fused_torch_adam(self.optimizer)  # the loaded param groups carry the saving run's implementation flags
         extra = res["extra_state"] or {}
         if "scheduler" in extra:
-            self.scheduler.load_state_dict(extra["scheduler"])
+            self.scheduler = restore_scheduler(self.scheduler, self.optimizer, self.cfg.optimizer, self.cfg.scheduler,
+                                               self.max_steps, extra["scheduler"])
         self.step = int(extra.get("step", res["metadata"].get("step", 0)))
         self.consumed_samples = int(extra.get("consumed_samples", 0))
         if "rng" in extra:

@@ -15,7 +15,10 @@ from typing import Optional
 _TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _BOX_CMDS = ("\\boxed", "\\fbox")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*([^\n]*)", re.IGNORECASE)
-_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+# thousands separators (1,000) or a decimal comma (2,74: one or two digits after it, which a thousands group never
+# has); "2,740" stays two thousand seven hundred and forty
+_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+|,\d{1,2}(?!\d))?(?:/\d+)?")
+_DECIMAL_COMMA_RE = re.compile(r"^-?\d+,\d{1,2}$")
 _MAX_ANSWER_CHARS = 1000  # answers longer than this are not answers; also bounds what reaches sympy
 # math markup whose digits must not be read as a bare number: a backslash command or delimiter, $, braces
 _LATEX_RE = re.compile(r"\\[A-Za-z(\[{]|[${}]")
@@ -31,7 +34,12 @@ def _clean(ans: str) -> Optional[str]:
         ans = ans.strip("$").strip()
     if not ans or len(ans) > _MAX_ANSWER_CHARS:
         return None
-    return ans
+    return _decimal_point(ans)
+
+
+def _decimal_point(number: str) -> str:
+    """A number written with a decimal comma ("2,74", as in most of Europe) in the point form the verifier reads."""
+    return number.replace(",", ".") if _DECIMAL_COMMA_RE.match(number) else number
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -101,9 +109,10 @@ def has_latex(text: str) -> bool:
 
 
 def extract_last_number(text: str) -> Optional[str]:
-    """The last integer/decimal/simple fraction in the text, thousands separators removed."""
+    """The last integer/decimal/simple fraction in the text, thousands separators removed, a decimal comma read as
+    a point."""
     matches = _NUMBER_RE.findall(text)
-    return matches[-1].replace(",", "") if matches else None
+    return _decimal_point(matches[-1]).replace(",", "") if matches else None
 
 
 def extract_answer_with_source(text: str, answer_format: str) -> tuple[Optional[str], Optional[str]]:

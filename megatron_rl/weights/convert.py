@@ -234,7 +234,8 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
     from megatron_rl.models.hf_io import (copy_tokenizer_files, dtype_name, finalize_safetensors, publish_permissions,
                                           resolve_dtype)
     from megatron_rl.models.provider import model_spec, shape_spec
-    from megatron_rl.weights.model_card import model_card
+    from megatron_rl.paths import EXPORT_RUN_CONFIG
+    from megatron_rl.weights.model_card import find_run, model_card
 
     t0 = time.perf_counter()
     ckpt, out = resolve_checkpoint(ckpt), Path(out).absolute()
@@ -304,6 +305,10 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
             # the model card: base model, step, and the recipe and metrics of the run the checkpoint belongs to
             (tmp_path / "README.md").write_text(model_card(ckpt, meta, out.name, out_dtype))
             files = files + ["README.md"]
+            run = find_run(ckpt)
+            if run is not None:  # `megatron-rl eval --model OUT` then prompts and scores as the run trained
+                shutil.copyfile(run / "config.yaml", tmp_path / EXPORT_RUN_CONFIG)
+                files.append(EXPORT_RUN_CONFIG)
             publish_permissions(tmp_path)
             os.replace(tmp_path, out)
         _barrier()

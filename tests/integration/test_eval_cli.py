@@ -22,6 +22,31 @@ def test_eval_cli_writes_json(tiny_model_factory, tmp_path):
     assert json.dumps(res, indent=2) in r.stdout  # the same JSON is printed
 
 
+def test_eval_without_config_prompts_as_the_run_trained(tiny_model_factory, tmp_path):
+    """A model inside a run folder (runs/x/hf, convert's example) is evaluated with that run's config.yaml when no
+    --config is given: its system prompt and few-shot examples, not the schema's bare defaults."""
+    import shutil
+
+    from megatron_rl import load_config
+    from megatron_rl.config.loader import dump_yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_factory("eval_tiny", seed=2), run / "hf")
+    dump_yaml(load_config(REPO / "configs" / "demo_cpu.yaml", ["generation.max_new_tokens=8"]), run / "config.yaml")
+    samples = tmp_path / "samples.jsonl"
+    r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(run / "hf"), "--n", "1",
+                        "--num-prompts", "2", "--samples-out", str(samples), "generation.kv_cache_memory_mb=64",
+                        "reward.num_workers=1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"the training run's config {run / 'config.yaml'}" in r.stderr
+    rows = [json.loads(x) for x in samples.read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        system = row["prompt"][0]
+        assert system["role"] == "system" and system["content"].startswith("Solve the arithmetic problem")
+        assert "<answer>17</answer>" in json.dumps(row["prompt"])  # the demo's few-shot example
+
+
 def test_eval_cli_bad_config_names_key(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(tmp_path), "--n", "2",
                         "grpo.nope=1"], capture_output=True, text=True, timeout=120, cwd=REPO)

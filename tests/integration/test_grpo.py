@@ -68,12 +68,18 @@ def test_metrics_contract_and_outputs(full_run):
         assert 1.0 <= x["token_mult_prob_error"] < 1.01, x["token_mult_prob_error"]
         assert x["gen_kl_error"] < 5e-4  # NeMo-RL's CI gate (grpo.mismatch_guard checks it at run time)
     assert {"val_accuracy", "val_pass_at_k"} <= set(recs[0]) and recs[0]["step"] == 0  # baseline before training
-    assert "val_accuracy" in steps[1]  # val_every=2
+    assert "val_accuracy" in steps[1] and "val_accuracy" in steps[2]  # val_every=2, and the last step always
+    assert steps[2]["val_num_prompts"] == 4  # the held-out file's 4 prompts (not grpo.val_num_prompts, 128)
     assert (out / "metrics.png").stat().st_size > 10_000
     assert (out / "config.yaml").is_file()
     assert list((out / "tensorboard").glob("events.*"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]
     assert "metrics:" in r.stdout and "plots:" in r.stdout
+    # start-up says what it is doing, in order, before the first step; Ray's every-run notice that token auth is on
+    # (the expected state, distributed/cluster.py) is not printed
+    startup = [x.split(": ", 1)[1] for x in r.stdout.splitlines() if x.startswith("[megatron-rl] start-up ")]
+    assert [x.split()[0] for x in startup] == ["config,", "Ray:", "1", "1", "ready"], startup
+    assert "Token authentication is enabled" not in r.stdout + r.stderr
 
 
 def test_samples_jsonl_holds_each_steps_completions_and_rewards(full_run):
@@ -88,7 +94,7 @@ def test_samples_jsonl_holds_each_steps_completions_and_rewards(full_run):
         assert sorted((x["group"], x["sample"]) for x in train_rows) == [(g, j) for g in range(2) for j in range(4)]
         mean = sum(x["reward"] for x in train_rows) / len(train_rows)
         assert mean == pytest.approx(by_step[step]["reward_mean"], abs=1e-6)
-    for step in (0, 2):  # the baseline and val_every=2: the greedy completions of the 4 held-out prompts
+    for step in (0, 2, 3):  # the baseline, val_every=2 and the last step: the 4 held-out prompts' greedy completions
         val = [x for x in rows if x["split"] == "val" and x["step"] == step]
         assert [x["group"] for x in val] == [0, 1, 2, 3]
         assert sum(x["reward"] >= 1.0 for x in val) / 4 == pytest.approx(by_step[step]["val_accuracy"])

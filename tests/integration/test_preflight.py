@@ -88,6 +88,11 @@ def test_context_longer_than_model_positions(tokenizer_dir, tmp_path):
     line = refused(model, tmp_path / "run", "generation.max_model_len=200")
     assert line.startswith("config error: generation.max_model_len=200 is above the model's "
                            "max_position_embeddings=128"), line
+    # multi-turn: the trajectory budget sets the context, and the message names it (not the single-turn sum)
+    line = refused(model, tmp_path / "run", "data.max_prompt_tokens=64", "generation.max_new_tokens=8",
+                   "environment.cls=tests.integration.multiturn_envs:Turns", "environment.max_tokens=300")
+    assert line.startswith("config error: environment.max_tokens=300 (a whole multi-turn trajectory) is above the "
+                           "model's max_position_embeddings=128"), line
 
 
 def test_chat_template_missing(tokenizer_dir, tmp_path):

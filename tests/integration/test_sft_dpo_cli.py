@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,10 @@ def test_sft_records_checkpoints_and_validation(sft_full):
         assert {"loss", "grad_norm", "lr", "num_trained_tokens", "tokens_per_s", "epoch"} <= set(r), s
         assert r["loss"] > 0 and r["grad_norm"] > 0 and not r["skipped"]
     assert [recs[s]["epoch"] for s in (1, 2, 3, 4)] == [0, 0, 0, 1]
+    # the lr each step trained at, from the definitions: a 1-step warm-up is the full lr at once (no step at lr 0),
+    # then cosine from 1e-3 to min_lr 0 over decay_steps=4, reached after the last step (so every step learns)
+    want = [1e-3 * 0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(4)]
+    assert [recs[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx(want, rel=1e-6) and min(want) > 0
     assert recs[4]["val_loss"] < recs[0]["val_loss"]  # lr 1e-3 on the training file itself: it learns
     assert sorted(p.name for p in (sft_full / "checkpoints").iterdir()) == ["step_2", "step_4"]
     saved = (sft_full / "config.yaml").read_text()

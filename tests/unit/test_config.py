@@ -144,16 +144,33 @@ def test_engine_memory_share_follows_the_placement(tmp_path, colocated, expected
 
 def test_packing_auto_is_the_platforms_choice(tmp_path):
     """`policy.packing: auto` becomes varlen on GPU (a block mask would send attention down the unfused O(s^2) path)
-    and none on CPU, where the mask layout measured as fast; an explicit value wins."""
+    and on CPU none for rows up to MASKED_ROW_TOKENS, where the mask layout measured as fast, varlen above; an
+    explicit value wins."""
     import torch
 
     from megatron_rl.platform import Platform, get_platform
 
+    from megatron_rl.platform import MASKED_ROW_TOKENS
+
     p = write(tmp_path, "ok.yaml", "{}\n")
-    assert load_config(p, [], check_model=False).policy.packing == get_platform().default_packing == "none"
-    assert load_config(p, ["policy.packing=varlen"], check_model=False).policy.packing == "varlen"
+    short = ["data.max_prompt_tokens=256", "generation.max_new_tokens=32", "grpo.num_generations_per_prompt=8"]
+    cfg = load_config(p, short, check_model=False)
+    assert cfg.longest_train_row() == 256 + 8 * 32  # one group's row: its prompt once, its 8 responses
+    assert cfg.policy.packing == get_platform().default_packing == "none"
+    assert load_config(p, short + ["policy.packing=varlen"], check_model=False).policy.packing == "varlen"
+    # CPU rows above MASKED_ROW_TOKENS: varlen, whose memory grows with the row, not with its square; the bound is
+    # the config's (a multi-turn group: its prompt and G whole trajectories' budgets)
+    long = load_config(p, ["data.max_prompt_tokens=256", "generation.max_new_tokens=128"], check_model=False)
+    assert long.longest_train_row() == 256 + long.grpo.num_generations_per_prompt * 128 > MASKED_ROW_TOKENS
+    assert long.policy.packing == "varlen"
+    assert load_config(p, ["data.max_prompt_tokens=256", "generation.max_new_tokens=128", "policy.packing=none"],
+                       check_model=False).policy.packing == "none"  # asked for
+    multi = load_config(p, short + ["environment.cls=a.b:C", "environment.max_tokens=1024"], check_model=False)
+    assert multi.longest_train_row() == 256 + 8 * (1024 - 256) and multi.policy.packing == "varlen"
+    # without shared_prefix a row is one sequence
+    assert load_config(p, short + ["policy.shared_prefix=false"], check_model=False).longest_train_row() == 288
     gpu = Platform("cuda", "nccl", torch.bfloat16, "triton", "cuda_ipc", "collective", False)
-    assert gpu.default_packing == "varlen"
+    assert gpu.default_packing == "varlen" and gpu.packing_for(100) == "varlen"
 
 
 def test_stage_chain_runs_its_stages_in_order_with_the_run_it_is_given(tmp_path):
@@ -195,6 +212,21 @@ def test_stage_chain_sft_then_grpo(tmp_path):
     seen = []
     assert run_chain(chain, [], run=lambda cfg: seen.append((cfg.algorithm, cfg.init_from)) or 0) == 0
     assert seen == [("sft", None), ("grpo", str(tmp_path / "a" / "checkpoints" / "step_4"))]
+
+
+def test_the_sft_then_grpo_example_chain(capsys):
+    """configs/sft_then_grpo_cpu.yaml: SFT on sft_cpu.yaml's data, then the GRPO demo from its final checkpoint."""
+    from megatron_rl.algorithms.stages import load_stages, run_chain
+
+    chain = REPO / "configs" / "sft_then_grpo_cpu.yaml"
+    sft, grpo = [load_config(st.config, st.overrides, check_model=False) for st in load_stages(chain)]
+    assert sft.algorithm == "sft" and Path(sft.data.path).name == "sft_tiny.jsonl"
+    assert grpo.algorithm == "grpo" and grpo.data.source == "reasoning_gym" and grpo.init_from is None
+    assert sft.output.dir != grpo.output.dir
+    seen = []
+    assert run_chain(chain, [], run=lambda cfg: seen.append(cfg) or 0) == 0
+    assert [c.algorithm for c in seen] == ["sft", "grpo"]
+    assert seen[1].init_from == str(Path(sft.output.dir) / "checkpoints" / "step_N")  # never run here: no step yet
 
 
 def test_policy_backend_defaults_to_megatron_and_takes_fsdp2(tmp_path):

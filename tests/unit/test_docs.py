@@ -7,7 +7,8 @@ lines; `\\` continues a line, and so does an indented `[...]`/`--...` line under
   Where the config's model is the user's own and absent here (`policy.model=/path/to/hf_model`, the DeepScaleR
   recipes; a distillation teacher an earlier command makes), the config and overrides are validated without the
   model. A command the doc shows failing (followed
-  by a `# config error: ...` line) must fail with that message.
+  by a `# config error: ...` line) must fail with that message; one the doc shows working must draw no pre-flight
+  warning (such as a prompt asking for an answer form the reward does not read).
 - `megatron-rl eval|convert|plan|info ...`, `launch/torchrun_convert.sh`, `python -m megatron_rl.X ...` and
   `python bench/X.py ...`: the tool's own argparse parses the quoted arguments (the run stops right after the parse),
   and each distinct tool answers `--help`. Synopsis lines with placeholders (`CONFIG.yaml`, `DIR`, `[--tp N]`) only
@@ -292,16 +293,21 @@ for job in jobs:
                 res["ok"] = r == 2 and want.split(" (")[0] in got
                 res["why"] = f"expected exit 2 with {want!r}, got {r!r}: {err[-2000:]}"
             elif r == 0:
-                res["ok"] = True
+                # a quoted command whose own pre-flight warns (e.g. a prompt the verifier cannot read) misleads
+                res["ok"], res["why"] = "warning:" not in err, f"pre-flight warns: {err[-2000:]}"
             elif r == 2 and ("policy.model: no config.json" in err
                              or ("distillation.teacher=" in err and ": no config.json" in err)):
                 # the user's own model (or distillation teacher, made by an earlier command), absent here: the
                 # config and the overrides alone
                 cfg, overrides = args[0], [a for a in args[1:] if "=" in a]
                 stages = [(st.config, st.overrides) for st in load_stages(cfg)] if is_chain(cfg) else [(cfg, [])]
-                for path, extra in stages:
-                    load_config(path, extra + overrides, check_model=False)
+                from megatron_rl.config.preflight import answer_format_mismatch
                 res["ok"] = True
+                for path, extra in stages:
+                    c = load_config(path, extra + overrides, check_model=False)
+                    warn = answer_format_mismatch(c.data, c.reward) if c.algorithm == "grpo" else None
+                    if warn:  # the pre-flight the run would start with warns
+                        res["ok"], res["why"] = False, f"pre-flight would warn: {warn}"
             else:
                 res["why"] = f"dry run: {r!r}: {err[-2000:]}"
         else:

@@ -69,6 +69,8 @@ def test_extract_tag_answer_is_and_last_number():
     assert extract_answer_is("The final answer is: **42**") == "42"
     assert extract_last_number("5 + 7 = 12, and 1,234.5 more") == "1234.5"
     assert extract_last_number("a/b is 3/4") == "3/4"
+    assert extract_last_number("it costs 2,74 now") == "2.74" and extract_last_number("2,740 left") == "2740"
+    assert extract_last_number("1,5 und 2,25") == "2.25" and extract_answer_tag("<answer>-0,5</answer>") == "-0.5"
 
 
 def test_extract_answer_respects_answer_format():
@@ -189,6 +191,10 @@ ADVERSARIAL = [
     ("3", "First \\boxed{3}, then I changed my mind: 5", 1.0),
     # unclosed braces
     ("3", "\\boxed{\\frac{1}{3}", 0.0), ("3", "\\boxed{3", 0.0), ("3", "so {3", 0.0),
+    # a decimal comma (one or two digits after it) in a tag, after "answer is", in free text; three digits after a
+    # comma are a thousands group
+    ("2.74", "<answer>2,74</answer>", 1.0), ("2.74", "The answer is 2,74", 1.0), ("2.74", "Es sind 2,74 Euro", 1.0),
+    ("-0.5", "<answer>-0,5</answer>", 1.0), ("2740", "The answer is 2,740", 1.0), ("2.74", "<answer>2,740</answer>", 0.0),
     # huge exponents: refused by size at once, no hang, no memory blow-up
     ("3", "$10^{10^{10}}$", 0.0), ("3", "\\boxed{10^{10^{10}}}", 0.0), ("3", "so 10^10^10", 0.0),
     ("3", "$9^{9^{9^{9}}}$ and 3", 0.0), ("3", "$(10^{10})!$", 0.0),
