@@ -231,15 +231,12 @@ def resolve_model_dir(model: str) -> Path:
 def validate(cfg: Config, check_model: bool = True) -> Config:
     """Cross-field checks. Raises ConfigError naming the key path(s) involved."""
     p, g, c = cfg.policy, cfg.grpo, cfg.cluster
-    positive = {
-        "policy.tp": p.tp, "policy.pp": p.pp, "generation.tp": cfg.generation.tp,
-        "grpo.num_prompts_per_step": g.num_prompts_per_step,
-        "grpo.num_generations_per_prompt": g.num_generations_per_prompt,
-        "grpo.optimizer_steps_per_rollout": g.optimizer_steps_per_rollout,
-        "policy.max_tokens_per_microbatch": p.max_tokens_per_microbatch,
-        "generation.max_new_tokens": cfg.generation.max_new_tokens, "cluster.num_nodes": c.num_nodes,
-        "cluster.devices_per_node": c.devices_per_node,
-    }
+    positive = {"policy.tp": p.tp, "policy.pp": p.pp, "generation.tp": cfg.generation.tp,
+                "grpo.num_prompts_per_step": g.num_prompts_per_step, "cluster.num_nodes": c.num_nodes,
+                "grpo.num_generations_per_prompt": g.num_generations_per_prompt, "cluster.devices_per_node":
+                c.devices_per_node, "grpo.optimizer_steps_per_rollout": g.optimizer_steps_per_rollout,
+                "policy.max_tokens_per_microbatch": p.max_tokens_per_microbatch,
+                "generation.max_new_tokens": cfg.generation.max_new_tokens}
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"{key} must be >= 1, got {v}")

@@ -38,26 +38,27 @@ def test_cli_config_error_is_one_line_exit_2():
                                      "expected an integer, got 'many'"], r.stderr
 
 
-def test_dry_run_loads_the_environment_class(tmp_path):
+def test_dry_run_loads_the_environment_class(tmp_path, capsys):
     """--dry-run imports environment.cls and builds one instance with environment.kwargs (in a worker process, as a
     run does), so a misspelt class or a rejected kwarg is named before any Ray start-up. A multi-turn run's reward
-    is the environment's, so a reward.kind the data could not use is no reason to refuse it."""
+    is the environment's, so a reward.kind the data could not use is no reason to refuse it. (In this process: the
+    CLI's main() as `megatron-rl` runs it, without paying its imports three times.)"""
+    from megatron_rl.cli import main
+
     data = tmp_path / "rows.jsonl"
     data.write_text('{"problem": "Say hi.", "answer": "hi"}\n')
-    base = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
-            "data.source=jsonl", f"data.path={data}", "environment.max_tokens=600"]
+    base = ["train", str(REPO / "configs" / "demo_cpu.yaml"), "data.source=jsonl", f"data.path={data}",
+            "environment.max_tokens=600"]
     for extra, want in ((["environment.cls=tests.integration.multiturn_envs:Turnz"],
                          "has no attribute 'Turnz' (environment classes there: Turns)"),
                         (["environment.cls=tests.integration.multiturn_envs:Turns", "environment.kwargs={turnz: 2}"],
                          "unexpected keyword argument 'turnz'")):
-        r = subprocess.run(base + extra + ["--dry-run"], capture_output=True, text=True, cwd=REPO, timeout=120)
-        assert r.returncode == 2 and r.stderr.startswith("config error: environment.cls=") and want in r.stderr, \
-            r.stderr
+        assert main(base + extra + ["--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("config error: environment.cls=") and want in err and err.count("\n") == 1, err
     # demo_cpu.yaml's reward.kind is reasoning_gym, its data now a JSONL file: fine, the environment scores
-    r = subprocess.run(base + ["environment.cls=tests.integration.multiturn_envs:Turns", "--dry-run"], capture_output=True,
-                       text=True, cwd=REPO, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert '"cls": "tests.integration.multiturn_envs:Turns"' in r.stdout
+    assert main(base + ["environment.cls=tests.integration.multiturn_envs:Turns", "--dry-run"]) == 0
+    assert '"cls": "tests.integration.multiturn_envs:Turns"' in capsys.readouterr().out
 
 
 def test_cpu_memory_verdict():

@@ -122,7 +122,8 @@ def test_the_step_budget_bounds_many_hanging_tests():
     _, [r] = play(CodeTests(timeout_s=1.0, time_budget_s=1.5), item,
                   answer("import time\ndef f(x):\n    time.sleep(100)"))
     assert time.monotonic() - t0 < 1.5 + 2.0
-    assert r.reward == 0.0 and r.metrics["fail_timeout"] + r.metrics["fail_budget"] == 6
+    # a count of 0 is left out of the metrics: on a loaded machine the budget can end even the first test
+    assert r.reward == 0.0 and r.metrics.get("fail_timeout", 0) + r.metrics["fail_budget"] == 6
     assert r.metrics["fail_budget"] >= 4
 
 
