@@ -115,6 +115,20 @@ def extract_last_number(text: str) -> Optional[str]:
     return _decimal_point(matches[-1]).replace(",", "") if matches else None
 
 
+_CLOSERS_RE = re.compile(r"\\[)\]]|[$}]")
+
+
+def trailing_number(text: str) -> Optional[str]:
+    """The last bare number in the prose after a text's last closed piece of LaTeX ("$x = 5$ is wrong; we get 7" ->
+    7), or None: no such prose, no number in it, or the text ends inside math ("so {3", an odd "$"). Free text's final
+    answer is then that number, not the formula before it."""
+    closers = list(_CLOSERS_RE.finditer(text))
+    if not closers or text.count("$") % 2:
+        return None
+    tail = text[closers[-1].end():]
+    return None if _LATEX_RE.search(tail) else extract_last_number(tail)
+
+
 def extract_answer_with_source(text: str, answer_format: str) -> tuple[Optional[str], Optional[str]]:
     """(answer, where it came from): "tag", "boxed", "answer_is", or "free" (auto format, none of those found: the
     last number, or None when the text has LaTeX in it), or (None, None) when the format found nothing.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from megatron_rl.rewards.extract import extract_answer_with_source, has_latex
+from megatron_rl.rewards.extract import extract_answer_with_source, has_latex, trailing_number
 
 # An answer whose exact value needs more digits than this is no answer to a math problem, and comparing it would
 # make sympy compute it (10^{10^{10}}: ten billion digits, minutes of work stuck in C where no signal reaches it).
@@ -96,11 +96,17 @@ def math_equal(gold: str, pred: str) -> bool:
 def score_math(gold: str, completion: str, answer_format: str) -> tuple[float, Optional[str]]:
     """1.0 if the completion's final answer equals `gold`, else 0.0; and the answer as read (None: none found).
 
-    Tag, box or "answer is" (per answer_format) are compared as they are. Free text (auto format, none of those)
-    goes through math-verify's extraction; only if that finds nothing and the text has no LaTeX does the last bare
-    number count.
+    Tag, box or "answer is" (per answer_format) are compared as they are. Free text (auto format, none of those): a
+    number in the prose after the text's last formula is the final answer; else math-verify's extraction; only if
+    that finds nothing and the text has no LaTeX does the last bare number count.
     """
     pred, source = extract_answer_with_source(completion, answer_format)
+    if source == "free" and has_latex(completion):
+        # the final answer is the last one in reading order: a number in the prose after the last formula beats the
+        # formula (math-verify's extraction reads the LaTeX alone and would credit "$x = 5$ is wrong; we get 7" for 5)
+        pred = trailing_number(completion)
+        if pred is not None:
+            return (1.0 if math_equal(gold, pred) else 0.0), pred
     if source == "free":
         parsed, shown = parse_free_text(completion)
         if parsed:

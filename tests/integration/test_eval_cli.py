@@ -7,24 +7,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_eval_cli_writes_json(tiny_model_factory, tmp_path):
-    model = tiny_model_factory("eval_tiny", seed=2)
-    out = tmp_path / "eval.json"
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(model), "--config",
-                        str(REPO / "configs" / "demo_cpu.yaml"), "--data", "chain_sum", "--n", "3",
-                        "--num-prompts", "4", "--out", str(out), "generation.kv_cache_memory_mb=64",
-                        "reward.num_workers=1", "generation.max_new_tokens=8"],
-                       capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert res["val_k"] == 3 and res["val_num_prompts"] == 4
-    assert 0.0 <= res["val_accuracy"] <= res["val_pass_at_k"] <= 1.0  # pass@1 can never exceed pass@k
-    assert json.dumps(res, indent=2) in r.stdout  # the same JSON is printed
-
-
-def test_eval_without_config_prompts_as_the_run_trained(tiny_model_factory, tmp_path):
-    """A model inside a run folder (runs/x/hf, convert's example) is evaluated with that run's config.yaml when no
-    --config is given: its system prompt and few-shot examples, not the schema's bare defaults."""
+def test_eval_cli_writes_json_with_the_runs_own_config(tiny_model_factory, tmp_path):
+    """pass@k as JSON (file and stdout), and every sample with --samples-out. The model sits in a run folder
+    (runs/x/hf, convert's example) and no --config is given: the run's config.yaml is used, so the prompts carry its
+    system prompt and few-shot examples, not the schema's bare defaults. One engine start for both checks."""
     import shutil
 
     from megatron_rl import load_config
@@ -33,14 +19,19 @@ def test_eval_without_config_prompts_as_the_run_trained(tiny_model_factory, tmp_
     run = tmp_path / "run"
     shutil.copytree(tiny_model_factory("eval_tiny", seed=2), run / "hf")
     dump_yaml(load_config(REPO / "configs" / "demo_cpu.yaml", ["generation.max_new_tokens=8"]), run / "config.yaml")
-    samples = tmp_path / "samples.jsonl"
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(run / "hf"), "--n", "1",
-                        "--num-prompts", "2", "--samples-out", str(samples), "generation.kv_cache_memory_mb=64",
-                        "reward.num_workers=1"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
+    r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(run / "hf"), "--data",
+                        "chain_sum", "--n", "3", "--num-prompts", "4", "--out", str(out), "--samples-out",
+                        str(samples), "generation.kv_cache_memory_mb=64", "reward.num_workers=1"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["val_k"] == 3 and res["val_num_prompts"] == 4
+    assert 0.0 <= res["val_accuracy"] <= res["val_pass_at_k"] <= 1.0  # pass@1 can never exceed pass@k
+    assert json.dumps(res, indent=2) in r.stdout  # the same JSON is printed
     assert f"the training run's config {run / 'config.yaml'}" in r.stderr
     rows = [json.loads(x) for x in samples.read_text().splitlines()]
-    assert len(rows) == 2
+    assert len(rows) == 4 * 3
     for row in rows:
         system = row["prompt"][0]
         assert system["role"] == "system" and system["content"].startswith("Solve the arithmetic problem")

@@ -71,6 +71,11 @@ def test_extract_tag_answer_is_and_last_number():
     assert extract_last_number("a/b is 3/4") == "3/4"
     assert extract_last_number("it costs 2,74 now") == "2.74" and extract_last_number("2,740 left") == "2740"
     assert extract_last_number("1,5 und 2,25") == "2.25" and extract_answer_tag("<answer>-0,5</answer>") == "-0.5"
+    from megatron_rl.rewards.extract import trailing_number
+    assert trailing_number("$x = 5$ is wrong; we get 7.") == "7" and trailing_number("\\(x\\) is 2,5") == "2.5"
+    # no prose after the last formula, a number still inside math, or no closed formula at all
+    assert [trailing_number(t) for t in ("so $x = 5$.", "so {3", "a $b$ c $d 4", "\\frac{1}{3", "x = 4")] == \
+        [None, None, None, None, None]
 
 
 def test_extract_answer_respects_answer_format():
@@ -197,7 +202,11 @@ ADVERSARIAL = [
     ("-0.5", "<answer>-0,5</answer>", 1.0), ("2740", "The answer is 2,740", 1.0), ("2.74", "<answer>2,740</answer>", 0.0),
     # huge exponents: refused by size at once, no hang, no memory blow-up
     ("3", "$10^{10^{10}}$", 0.0), ("3", "\\boxed{10^{10^{10}}}", 0.0), ("3", "so 10^10^10", 0.0),
-    ("3", "$9^{9^{9^{9}}}$ and 3", 0.0), ("3", "$(10^{10})!$", 0.0),
+    ("3", "3 and then $9^{9^{9^{9}}}$", 0.0), ("3", "$(10^{10})!$", 0.0),
+    # the final answer in reading order: prose after the last formula beats the formula; a formula last wins
+    ("5", "$x=5$ is wrong; we get 7", 0.0), ("7", "$x=5$ is wrong; we get 7", 1.0),
+    ("3", "$9^{9^{9^{9}}}$ and 3", 1.0), ("7", "We find $x = 5$. Then $y = 7$.", 1.0),
+    ("5", "We find $x = 5$. Then $y = 7$.", 0.0), ("7", "First 7, then $x = \\frac{1}{2}$", 0.0),
 ]
 
 
