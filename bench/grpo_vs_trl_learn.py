@@ -53,7 +53,7 @@ def run_ours_learn(args, cfg, out_dir: str) -> dict:
 
 def run_eval(args, cfg) -> dict:
     """Held-out greedy accuracy of one saved HF folder (a TRL snapshot) with the evaluator our side uses."""
-    from megatron_rl.algorithms.evaluate import evaluate_model
+    from megatron_rl.build import evaluate_model
 
     r = evaluate_model(cfg, args.snapshot, n=1, num_prompts=args.val_prompts, temperature=0.0)
     return {"accuracy": r["val_accuracy"], "prompts": r["val_num_prompts"], "eval_s": r["seconds"]}

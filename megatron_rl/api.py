@@ -7,7 +7,7 @@
     history = megatron_rl.api.sft("configs/sft_cpu.yaml", ["data.path=my.jsonl"])   # or .dpo(...)
     result = megatron_rl.evaluate("trained_hf", config=cfg, n=4)
 
-They run the CLI's own code paths (the config loader, `build.run` or a stage chain, `algorithms.evaluate`)
+They run the CLI's own code paths (the config loader, `build.run` or a stage chain, `build.evaluate_model`)
 and raise instead of printing: `ConfigError` for a bad config or a tracker whose package is missing,
 `TrainingError` when a run stops with a non-zero status. In a script, call them under `if __name__ == "__main__":`:
 spawned helper processes (conversion ranks) import the main script again, as every multiprocessing program's do
@@ -94,7 +94,8 @@ def evaluate(model: str | Path, config: ConfigLike | None = None, *, data: str |
 
     config supplies the data, reward and generation sections (default: the schema's); data names a reasoning-gym
     task and jsonl a problem/answer file, as the CLI's --data / --jsonl."""
-    from megatron_rl.algorithms.evaluate import eval_overrides, evaluate_model
+    from megatron_rl.algorithms.evaluate import eval_overrides
+    from megatron_rl.build import evaluate_model
 
     _refuse_in_worker_import("evaluate")
     extra = eval_overrides(str(model), data=data, jsonl=str(jsonl) if jsonl else None)

@@ -202,30 +202,40 @@ def build(cfg: Config, out_dir: Path) -> Components:
     tok = preflight(cfg)
     model_dir = resolve_model_dir(cfg.policy.model)
     tok, stream, val_items = build_data(cfg, tok)
-    env_pool = None
-    if cfg.environment.cls is not None:
-        # multi-turn: the environments' worker processes first (a class that will not load, or kwargs it rejects,
-        # are named before Ray starts); their reward replaces the verifier's, which then has no pool to start
-        from megatron_rl.environments.runner import EnvironmentPool
-
-        env_pool = EnvironmentPool.from_config(cfg.environment)
+    reward_fn, env_pool = start_scoring(cfg)
     say(t0, "config, model, data" + (f" and {cfg.environment.num_workers} environment worker(s)" if env_pool else "")
         + " checked")
     try:
-        return _build(cfg, out_dir, plat, tok, model_dir, stream, val_items, env_pool, t0)
+        return _build(cfg, out_dir, plat, tok, model_dir, stream, val_items, reward_fn, env_pool, t0)
     except BaseException:
-        if env_pool is not None:
-            env_pool.shutdown()
+        _close_scoring(reward_fn, env_pool)
         raise
 
 
-def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_items, env_pool,
+def start_scoring(cfg: Config):
+    """(reward_fn, env_pool), before Ray and the engines start: a multi-turn run's environment worker processes (a
+    class that will not load, or kwargs it rejects, are named at once), whose reward replaces the verifier, which
+    then starts no pool; else the verifier's pool. Training and evaluation both assemble them here."""
+    if cfg.environment.cls is not None:
+        from megatron_rl.environments.runner import EnvironmentPool
+
+        return None, EnvironmentPool.from_config(cfg.environment)
+    from megatron_rl.rewards.reward_fn import RewardFn
+
+    return RewardFn(cfg.reward, cfg.data.source), None
+
+
+def _close_scoring(reward_fn, env_pool) -> None:
+    if reward_fn is not None:
+        reward_fn.close()
+    if env_pool is not None:
+        env_pool.shutdown()
+
+
+def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_items, reward_fn, env_pool,
            t0: float) -> Components:
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.generation.pool import GeneratorPool
-    from megatron_rl.rewards.reward_fn import RewardFn
-
-    reward_fn = RewardFn(cfg.reward, cfg.data.source) if env_pool is None else None
 
     c = cfg.cluster
     layout = layout_of(cfg)  # the loader validated the same layout
@@ -277,6 +287,38 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
     say(t0, "ready")
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool,
                       teacher)
+
+
+def evaluate_model(cfg: Config, model: str, *, n: int, num_prompts: int, temperature: float | None = None,
+                   split: str = "val", every_sample: bool = False) -> dict:
+    """pass@1 / pass@k of the HF folder `model` on the held-out prompts of `cfg.data` (split="train": its training
+    prompts), scored as training scores them (`start_scoring`), by one engine in this process: one engine needs no
+    Ray cluster (`megatron-rl eval` and `megatron_rl.evaluate` both run this; `algorithms.evaluate.evaluate`)."""
+    from megatron_rl.algorithms.evaluate import evaluate
+    from megatron_rl.data.datasets import DataError, load_dataset
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.generation import build_engine
+
+    model = str(resolve_model_dir(model))  # "default": the embedded model, as in training
+    tok = load_tokenizer(cfg.policy.tokenizer or model)
+    ds = load_dataset(cfg.data, tok, split, size=num_prompts)
+    if ds is None:
+        raise DataError("data.val_path is not set: there are no held-out prompts to evaluate")
+    items = [it for it in (ds.item(i) for i in range(min(num_prompts, len(ds)))) if it is not None]
+    reward_fn, env_pool = start_scoring(cfg)
+    t0, gen = time.time(), None
+    try:
+        gen = build_engine(cfg, model)
+        result = evaluate(gen, items, reward_fn, tok, n=n,
+                          temperature=temperature if temperature is not None else cfg.generation.temperature,
+                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens, env_pool=env_pool,
+                          cfg=cfg, every_sample=every_sample)
+    finally:
+        if gen is not None:
+            gen.shutdown()
+        _close_scoring(reward_fn, env_pool)
+    result["seconds"] = round(time.time() - t0, 2)
+    return result
 
 
 def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None = None) -> int:

@@ -132,8 +132,9 @@ def cmd_supervised(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from megatron_rl.algorithms.evaluate import main as eval_main
+    from megatron_rl.build import evaluate_model
 
-    return eval_main(args.rest)
+    return eval_main(args.rest, evaluate_model)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -136,7 +136,9 @@ def run_config_of(model: str) -> Path | None:
     return None
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], evaluate_model) -> int:
+    """`megatron-rl eval`: parse, resolve the config, run `evaluate_model` (`build.evaluate_model`, given by the CLI:
+    the parts are assembled above the algorithms, as a training run's are), print and write the result."""
     ap = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF model folder (e.g. the output of convert megatron-to-hf; "
@@ -200,43 +202,3 @@ def eval_overrides(model: str, *, data: str | None = None, jsonl: str | None = N
     elif data:
         out += ["data.source=reasoning_gym", f"data.task={data}"]
     return out
-
-
-def evaluate_model(cfg, model: str, *, n: int, num_prompts: int, temperature: float | None = None,
-                   split: str = "val", every_sample: bool = False) -> dict:
-    """pass@1 / pass@k of the HF folder `model` on the validation prompts of `cfg.data` (split="train": its
-    training prompts), with an in-process engine (`megatron-rl eval` and `megatron_rl.evaluate` both run this)."""
-    from megatron_rl.config.loader import resolve_model_dir
-    from megatron_rl.data.datasets import DataError, load_dataset
-    from megatron_rl.data.tokenizer import load_tokenizer
-    from megatron_rl.generation import build_engine
-    from megatron_rl.rewards.reward_fn import RewardFn
-
-    model = str(resolve_model_dir(model))  # "default": the embedded model, as in training
-    tok = load_tokenizer(cfg.policy.tokenizer or model)
-    ds = load_dataset(cfg.data, tok, split, size=num_prompts)
-    if ds is None:
-        raise DataError("data.val_path is not set: there are no held-out prompts to evaluate")
-    items = [it for it in (ds.item(i) for i in range(min(num_prompts, len(ds)))) if it is not None]
-    env_pool = reward_fn = None
-    if cfg.environment.cls is not None:  # before the engine: a class that will not load is named at once
-        from megatron_rl.environments.runner import EnvironmentPool
-
-        env_pool = EnvironmentPool.from_config(cfg.environment)
-    t0 = time.time()
-    gen = None
-    try:
-        # multi-turn: the environment's reward is the score, so no verifier pool
-        reward_fn = RewardFn(cfg.reward, cfg.data.source) if env_pool is None else None
-        gen = build_engine(cfg, model)
-        result = evaluate(gen, items, reward_fn, tok, n=n,
-                          temperature=temperature if temperature is not None else cfg.generation.temperature,
-                          top_p=cfg.generation.top_p, max_tokens=cfg.generation.max_new_tokens, env_pool=env_pool,
-                          cfg=cfg, every_sample=every_sample)
-    finally:
-        for close in (getattr(gen, "shutdown", None), getattr(reward_fn, "close", None),
-                      getattr(env_pool, "shutdown", None)):
-            if close is not None:
-                close()
-    result["seconds"] = round(time.time() - t0, 2)
-    return result
