@@ -1,0 +1,49 @@
+"""A scalar value head on a megatron GPTModel: the critic of PPO and the reward model (issue 56, work in progress).
+
+transformers' `...ForSequenceClassification` (num_labels=1) is the decoder, its final norm, and `score`: a bias-free
+linear from the hidden size to 1, applied at every position (the sequence's reward is the last token's). Here the
+output layer is made to return its input (the final norm's output, TP-replicated: no sequence parallelism), and the
+head maps it to one value per position, [b, s, 1] after GPTModel's transpose, like the logits it replaces.
+
+Under TP every rank holds the whole head and the same hidden states, so each computes the same values and the same
+gradients: nothing is reduced over TP (the lm_head's input gradient is a sum of vocabulary shards; this one is whole
+on every rank). The head is a registered submodule of the GPTModel, so DDP, the optimizer and checkpoints see it;
+the unused lm_head weight is frozen.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ValueHead(nn.Module):
+    def __init__(self, hidden: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.score = nn.Linear(hidden, 1, bias=False, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden)
+
+
+def install_value_head(gpt) -> ValueHead | None:
+    """Give `gpt` (its last pipeline stage) a value head in place of its logits; None on stages without an output
+    layer. Refused where the output layer's input is not every position's whole hidden state (sequence parallelism,
+    multi-token prediction)."""
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None or not getattr(gpt, "post_process", True):
+        return None
+    cfg = gpt.config
+    if cfg.sequence_parallel or getattr(cfg, "mtp_num_layers", None):
+        raise ValueError("a value head needs every position's hidden state on each rank: no sequence parallelism "
+                         "or multi-token prediction")
+    head = ValueHead(cfg.hidden_size, dtype=cfg.params_dtype)  # a tied model has no output weight of its own
+    gpt.value_head = head
+    for p in layer.parameters():  # the lm_head: not part of a value model's function
+        p.requires_grad_(False)
+
+    def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
+        return head(input_), None
+
+    layer.forward = forward  # instance attribute: nn.Module.__call__ (and its pre-hooks) dispatch to it
+    layer.megatron_rl_returned_hidden = True  # provider.py's padded-logit hook: leave this output alone
+    return head
