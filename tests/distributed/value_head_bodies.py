@@ -1,11 +1,12 @@
 """Rank body for test_value_head.py: the megatron value head (models/value_head.py) against transformers'
-LlamaForSequenceClassification on the same weights, per position, at TP=1 and TP=2, with the head's gradient."""
+LlamaForSequenceClassification on the same weights, per position, at TP=1, TP=2 and PP=2, with the gradients."""
 from __future__ import annotations
 
 import torch
 
 from megatron_rl.platform import install_megatron_cpu_compat
-from tests.distributed.models_bodies import _forward, _import_transformers_first, _init, _positions, _tokens
+from tests.distributed.models_bodies import (_forward, _import_transformers_first, _init, _positions, _tokens,
+                                             pipeline_logits)
 
 
 def value_head_parity(rank: int, world_size: int):
@@ -55,4 +56,16 @@ def value_head_parity(rank: int, world_size: int):
         norm = dict(m.named_parameters())["decoder.layers.0.input_layernorm.weight"]
         out[f"tp{tp}_norm_grad"] = float((norm.grad - ref_norm_grad).abs().max() / ref_norm_grad.abs().max())
         out[f"tp{tp}_lm_head_frozen"] = all(not p.requires_grad for p in m.output_layer.parameters())
+    # PP=2: the head is on the last stage only; the first has no output layer
+    _init(1, 2)
+    m = build_model(cfg)
+    load_hf_into_model(m, lm.state_dict())
+    head = install_value_head(m)
+    if head is not None:
+        with torch.no_grad():
+            head.score.weight.copy_(rm.score.weight)
+    values = pipeline_logits(m, ids)
+    out["pp2_has_head"] = head is not None
+    if values is not None:
+        out["pp2"] = float((values.float() - ref).abs().max())
     return out
