@@ -52,8 +52,7 @@ _CLASS_PATH_RE = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.
 
 
 def check_class_path(value: Any, key: str) -> tuple[str, str]:
-    """(module, qualname) of an import path "package.module:Class", or a ConfigError naming `key`. The one rule for
-    such keys: the config checks the form here, the environment loader imports what it names."""
+    """(module, qualname) of "package.module:Class", or a ConfigError naming `key` (the form; loaders import it)."""
     if not isinstance(value, str) or not _CLASS_PATH_RE.match(value.strip()):
         raise ConfigError(f"{key}={value!r} must be an import path 'package.module:Class' (a module Python can "
                           "import, a colon, the class name; e.g. megatron_rl.environments.guess_number:GuessNumber)")
@@ -260,10 +259,9 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     _validate_backend(cfg)
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
-    if cfg.policy.packing == "auto":  # fsdp2: none everywhere, its varlen row carries a [t, t] mask (fsdp2_worker)
-        plat = get_platform()  # megatron: by GRPO's longest row (Platform.packing_for); SFT/DPO: the platform's
-        cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else \
-            plat.packing_for(cfg.longest_train_row()) if cfg.algorithm == "grpo" else plat.default_packing
+    if cfg.policy.packing == "auto":  # fsdp2: none, its varlen row has a [t, t] mask; megatron: Platform.packing_for
+        cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().packing_for(
+            cfg.longest_train_row() if cfg.algorithm == "grpo" else 0)  # SFT/DPO rows: 0, the platform's default
     if cfg.generation.gpu_memory_utilization is None:
         cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
                                                  else OWN_DEVICE_GPU_MEMORY_UTILIZATION)
