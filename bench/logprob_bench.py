@@ -16,7 +16,7 @@ as above, on CPU at tiny shapes, prints the table and exits non-zero unless ever
 tests/unit/test_bench_smokes.py).
 
 Every variant runs in a fresh subprocess so that its memory high-water mark is its own:
-  * CPU: peak RSS (getrusage ru_maxrss) after the variant minus the RSS high-water right after the inputs were
+  * CPU: peak RSS (the kernel's VmHWM) after the variant minus the RSS high-water right after the inputs were
     allocated and touched. (tracemalloc cannot see torch's allocations.) Inputs are filled a few rows at a time
     so that filling them leaves no high-water above the inputs themselves.
   * GPU: torch.cuda.max_memory_allocated() minus the memory held by the inputs.
@@ -46,7 +46,14 @@ HEAD_VARIANTS = "head_unfused,head_fused"
 
 
 def _rss_peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's peak RSS: the kernel's VmHWM (its own address space's, new at exec). Not getrusage's ru_maxrss,
+    which survives exec and so starts at the parent's peak: under a fat parent (bench/smoke_all.py's forks, which
+    hold torch, vLLM and megatron-core) every variant's growth read as 0."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _child(args) -> dict:

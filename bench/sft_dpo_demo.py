@@ -173,6 +173,8 @@ def main(argv=None) -> int:
         print("\nminutes: " + ", ".join(f"{k} {v:.1f}" for k, v in demo.minutes.items()))
         (out / "summary.json").write_text(json.dumps({"accuracy": acc, "sizes": sizes, "minutes": demo.minutes},
                                                      indent=2) + "\n")
+        if args.smoke:
+            print("smoke ok")
         return 0
     finally:
         if tmp is not None:

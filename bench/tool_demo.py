@@ -96,6 +96,8 @@ def main(argv=None) -> int:
         if not args.smoke:
             plot(curves, out / "tool_vs_no_tool.png")
             print(f"[tool_demo] plot: {out / 'tool_vs_no_tool.png'}")
+        else:
+            print("smoke ok")
         return 0
     finally:
         if tmp is not None:

@@ -5,7 +5,7 @@ They are imported on first use, so `import megatron_rl` loads nothing heavy (no 
 """
 
 __version__ = "0.1.0"  # the one place it is set: setup.py reads it from here, `megatron-rl --version` prints it
-__all__ = ["train", "sft", "dpo", "load_config", "evaluate"]
+__all__ = ["train", "sft", "dpo", "rm", "load_config", "evaluate"]
 
 
 def __getattr__(name: str):

@@ -4,7 +4,7 @@
 
     cfg = megatron_rl.load_config("configs/demo_cpu.yaml", ["grpo.max_steps=5"])
     history = megatron_rl.train(cfg)                       # the records of metrics.jsonl, one dict per line
-    history = megatron_rl.api.sft("configs/sft_cpu.yaml", ["data.path=my.jsonl"])   # or .dpo(...)
+    history = megatron_rl.api.sft("configs/sft_cpu.yaml", ["data.path=my.jsonl"])   # or .dpo(...), .rm(...)
     result = megatron_rl.evaluate("trained_hf", config=cfg, n=4)
 
 They run the CLI's own code paths (the config loader, `build.run` or a stage chain, `build.evaluate_model`)
@@ -21,7 +21,7 @@ from typing import Union
 
 from megatron_rl.config import Config, ConfigError
 
-__all__ = ["train", "sft", "dpo", "load_config", "evaluate", "ConfigError", "TrainingError"]
+__all__ = ["train", "sft", "dpo", "rm", "load_config", "evaluate", "ConfigError", "TrainingError"]
 ConfigLike = Union[str, Path, dict, Config]
 
 
@@ -84,6 +84,11 @@ def sft(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
 def dpo(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
     """DPO / IPO / hinge preference training (`megatron-rl dpo`); returns the metrics history."""
     return train(config, ["algorithm=dpo", *(overrides or [])])
+
+
+def rm(config: ConfigLike, overrides: list[str] | None = None) -> list[dict]:
+    """Reward-model (Bradley-Terry) training on preference pairs (`megatron-rl rm`); returns the metrics history."""
+    return train(config, ["algorithm=rm", *(overrides or [])])
 
 
 def evaluate(model: str | Path, config: ConfigLike | None = None, *, data: str | None = None,

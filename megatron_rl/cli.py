@@ -1,4 +1,4 @@
-"""`megatron-rl` command line: train, sft, dpo, eval, convert, plan, info (and `--version`).
+"""`megatron-rl` command line: train, sft, dpo, rm, eval, convert, plan, info (and `--version`).
 
 Each subcommand parses its own arguments and delegates to the module that owns the work; heavy imports happen inside
 the handlers so `megatron-rl --help`, every `megatron-rl COMMAND --help` and `info` stay fast. Each command's
@@ -108,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_supervised(args: argparse.Namespace) -> int:
-    """`megatron-rl sft` / `megatron-rl dpo`: the config with algorithm set to the command's, then the same run."""
+    """`megatron-rl sft` / `dpo` / `rm`: the config with algorithm set to the command's, then the same run."""
     from megatron_rl.config import load_config
 
     cfg = load_config(args.config, [f"algorithm={args.command}", *args.overrides])
@@ -216,6 +216,12 @@ on the Megatron policy ranks, against the frozen initial weights as the referenc
 trained once (chosen and rejected share it in one packed row). Losses: dpo.loss=sigmoid | ipo | hinge, with
 dpo.beta, dpo.label_smoothing, dpo.sft_loss_weight, dpo.average_logprobs. Outputs, checkpoints and resuming as
 `train`.""",
+    "rm": """Reward-model training (Bradley-Terry) from the DPO pair data: {"prompt", "chosen", "rejected"} lines, text or chat
+messages. The policy's decoder gets a scalar head that scores a sequence at its last token; the loss is
+-log sigmoid(r_chosen - r_rejected) (+ rm.center_rewards_coefficient x (r_chosen + r_rejected)^2), on the Megatron
+ranks (TP/PP/DP), no vLLM engine. Metrics as TRL's RewardTrainer names them (accuracy, margin, chosen_rewards,
+rejected_rewards), held-out pairwise accuracy with rm.val_every. `megatron-rl convert megatron-to-hf` exports a
+folder that transformers' AutoModelForSequenceClassification loads.""",
 }
 
 SUPERVISED_KEYS = (
@@ -234,8 +240,10 @@ def supervised_epilog(name: str) -> str:
     rows = [(k.format(a=name), what) for k, what in SUPERVISED_KEYS]
     if name == "sft":
         rows.insert(4, ("sft.loss_normalizer", "tokens | sequences"))
-    else:
+    elif name == "dpo":
         rows.insert(4, ("dpo.loss dpo.beta", "sigmoid | ipo | hinge, and its beta"))
+    else:
+        rows.insert(4, ("rm.center_rewards_coefficient", "keeps the rewards near 0 (TRL's; null: off)"))
     return (f"main config keys (docs/sft_dpo.md; every key: megatron_rl/config/schema.py):\n{_key_table(rows)}\n\n"
             f"example:\n  megatron-rl {name} configs/{name}_cpu.yaml {name}.max_steps=3 output.dir=runs/{name}_try")
 
@@ -252,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(
         prog="megatron-rl",
-        description="GRPO, SFT and DPO post-training on megatron-core (TP/PP/DP), vLLM rollouts and Ray.",
+        description="GRPO, SFT, DPO and reward-model post-training on megatron-core (TP/PP/DP), vLLM rollouts and Ray.",
         epilog="`megatron-rl COMMAND --help` says what a command does and names its arguments and config keys.\n"
                "examples:\n"
                "  megatron-rl train configs/demo_cpu.yaml\n"
@@ -275,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     for name, text in (("sft", "supervised fine-tuning from a JSONL file (messages, or prompt/completion)"),
-                       ("dpo", "DPO / IPO / hinge preference training from a JSONL file of prompt/chosen/rejected")):
+                       ("dpo", "DPO / IPO / hinge preference training from a JSONL file of prompt/chosen/rejected"),
+                       ("rm", "reward-model (Bradley-Terry) training from the same prompt/chosen/rejected pairs")):
         p = sub.add_parser(name, help=text, description=SUPERVISED_DESCRIPTION[name], epilog=supervised_epilog(name),
                            formatter_class=raw)
         p.add_argument("config", help=f"YAML config, e.g. configs/{name}_cpu.yaml")

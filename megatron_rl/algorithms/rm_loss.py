@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.algorithms.supervised_loss import pair_positions
+from megatron_rl.policy.loss_api import LossInputs
+
 Tensor = torch.Tensor
+
+# the metrics an RM step reports beside loss, grad_norm, lr and the counts (TRL's RewardTrainer names)
+RM_METRICS = ("accuracy", "margin", "chosen_rewards", "rejected_rewards")
 
 
 def bradley_terry(chosen: Tensor, rejected: Tensor, *, num_pairs: float, margin: Tensor | None = None,
@@ -33,3 +39,25 @@ def bradley_terry(chosen: Tensor, rejected: Tensor, *, num_pairs: float, margin:
                    "margin": float((c - r).sum()) / num_pairs,
                    "chosen_rewards": float(c.sum()) / num_pairs, "rejected_rewards": float(r.sum()) / num_pairs}
     return loss, metrics
+
+
+def last_token_values(values: Tensor, seq_ids: Tensor, seqs: Tensor) -> Tensor:
+    """[m]: each sequence's value at its last response token (flat values in `seqs` order, per loss_api.py)."""
+    positions = torch.arange(len(seq_ids), device=seq_ids.device)
+    return values[torch.stack([positions[seq_ids == s].max() for s in seqs.tolist()])]
+
+
+class RMLossFn:
+    """The reward model's loss under the worker contract: a value model (policy.value_head) hands its per-token
+    values in `LossInputs.logprobs`; a sequence's reward is its last token's (`supervised_batches.rm_pair_batch`
+    makes that the value at the real last token). Picklable: shipped to the policy ranks."""
+
+    def __init__(self, center_coef: float | None = None):
+        self.center_coef = center_coef
+
+    def __call__(self, inp: LossInputs):
+        if inp.seq_groups is None or inp.seq_roles is None:
+            raise ValueError("the reward-model loss needs pair group ids and roles (supervised_batches.rm_pair_batch)")
+        rewards = last_token_values(inp.logprobs, inp.seq_ids, inp.seqs)
+        c, r = pair_positions(inp.seqs, inp.seq_groups, inp.seq_roles)
+        return bradley_terry(rewards[c], rewards[r], num_pairs=inp.num_global_seqs / 2, center_coef=self.center_coef)

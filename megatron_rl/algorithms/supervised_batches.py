@@ -5,7 +5,8 @@ The worker trains any `RolloutBatch`; what makes these ones SFT or DPO is only t
 - SFT: one sequence per example, `loss_mask` marking the assistant tokens (the other turns are context);
 - DPO: each pair is a group of two sequences sharing the prompt (`group_ids`), chosen first (`seq_roles` 1, then
   0), and `keep_groups` so both are in one micro-batch: with shared-prefix packing the prompt is one row segment that
-  both responses attend (computed once), and the pairwise loss sees both sums.
+  both responses attend (computed once), and the pairwise loss sees both sums;
+- RM: DPO's pairs with one token more at each sequence's end (`rm_pair_batch`).
 """
 from __future__ import annotations
 
@@ -73,3 +74,27 @@ def pair_batch(pairs: list[PairExample]) -> RolloutBatch:
             groups.append(k)
             roles.append(role)
     return RolloutBatch(input_ids=ids, prompt_lens=plens, group_ids=groups, seq_roles=roles, keep_groups=True)
+
+
+# the token a reward model's sequences end with (`rm_pair_batch`): any id does, none is ever attended
+RM_SCORE_TOKEN = 0
+
+
+def rm_pair_batch(pairs: list[PairExample], pad_id: int | None = None) -> RolloutBatch:
+    """`pair_batch` scored where transformers' ForSequenceClassification scores a row: at its last token that is not
+    the pad token (`pad_id`, the exported config's pad_token_id; where a model pads with its EOS, that is the token
+    before a response's final EOS). Each sequence loses its trailing pad tokens and gains one token: a value model's
+    per-token outputs sit where a policy's logprobs do, at the position that predicts each response token, so the
+    appended token's is the value at the scored position. Causal attention keeps that position blind to the appended
+    token, so its id does not matter."""
+    batch = pair_batch(pairs)
+    ids = []
+    for seq, p in zip(batch.input_ids, batch.prompt_lens):
+        end = len(seq)
+        # the prompt stays whole (a pair's two rows share it): a response of pad tokens only is scored at the
+        # prompt's last token, as transformers does unless the prompt itself ends with the pad token
+        while end > p and pad_id is not None and seq[end - 1] == pad_id:
+            end -= 1
+        ids.append(seq[:end] + [RM_SCORE_TOKEN])
+    batch.input_ids = ids
+    return batch

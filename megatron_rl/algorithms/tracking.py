@@ -31,6 +31,8 @@ SUPERVISED_PLOTS = [
     ("loss", ["loss", "val_loss"]),
     ("DPO rewards (beta x log-ratio)", ["rewards_chosen", "rewards_rejected", "rewards_margin"]),
     ("DPO preference accuracy", ["rewards_accuracy", "val_rewards_accuracy", "val_logps_accuracy"]),
+    ("reward model: scores", ["chosen_rewards", "rejected_rewards", "margin"]),
+    ("reward model: pairwise accuracy", ["accuracy", "val_accuracy"]),
     ("seconds per step", ["time_logprobs_s", "time_train_s", "time_step_s"]),
 ]
 

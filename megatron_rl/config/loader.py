@@ -261,7 +261,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
         cfg.generation.precision = cfg.policy.precision
     if cfg.policy.packing == "auto":  # fsdp2: none, its varlen row has a [t, t] mask; megatron: Platform.packing_for
         cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().packing_for(
-            cfg.longest_train_row() if cfg.algorithm == "grpo" else 0)  # SFT/DPO rows: 0, the platform's default
+            cfg.longest_train_row() if cfg.algorithm == "grpo" else 0)  # SFT/DPO/RM rows: 0, the platform's
     if cfg.generation.gpu_memory_utilization is None:
         cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
                                                  else OWN_DEVICE_GPU_MEMORY_UTILIZATION)
@@ -270,9 +270,11 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
                           f"{cfg.generation.gpu_memory_utilization}")
     _validate_data(cfg)
     _validate_environment(cfg)
-    _validate_supervised(cfg)
-    from megatron_rl.config.distillation import validate_distillation  # it imports this module's ConfigError
+    # these modules import this one's ConfigError
+    from megatron_rl.config.distillation import validate_distillation
+    from megatron_rl.config.supervised_rules import validate_supervised
 
+    validate_supervised(cfg)
     validate_distillation(cfg)
     if check_model:
         validate_against_model(cfg)
@@ -342,37 +344,6 @@ def _validate_data(cfg: Config) -> None:
     if cfg.reward.kind == "reasoning_gym" and d.source != "reasoning_gym" and cfg.environment.cls is None:
         raise ConfigError(f"reward.kind=reasoning_gym scores reasoning-gym tasks only, not data.source={d.source}; "
                           "use reward.kind=auto (math-verify for jsonl and hf data) or math")
-
-
-def _validate_supervised(cfg: Config) -> None:
-    """The sft and dpo sections' numbers always (a typo is caught before the section is used); the data file and the
-    batch against the data-parallel ranks when the run is SFT or DPO."""
-    for name in ("sft", "dpo"):
-        s = getattr(cfg, name)
-        for key, v, low in (("batch_size", s.batch_size, 1), ("epochs", s.epochs, 1), ("val_every", s.val_every, 0),
-                            ("val_max_examples", s.val_max_examples, 1),
-                            ("max_nonfinite_steps", s.max_nonfinite_steps, 1),
-                            ("max_steps", s.max_steps, 1), ("max_seq_len", s.max_seq_len, 2)):
-            if v is not None and v < low:
-                raise ConfigError(f"{name}.{key} must be >= {low}, got {v}")
-    d = cfg.dpo
-    if d.beta <= 0:
-        raise ConfigError(f"dpo.beta must be > 0, got {d.beta}")
-    if not 0 <= d.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
-    if d.label_smoothing and d.loss != "sigmoid":
-        raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid only, not {d.loss!r}")
-    if d.sft_loss_weight < 0:
-        raise ConfigError(f"dpo.sft_loss_weight must be >= 0, got {d.sft_loss_weight}")
-    if cfg.algorithm == "grpo":
-        return
-    if not cfg.data.path:
-        raise ConfigError(f"data.path is required for algorithm={cfg.algorithm} (a JSONL file; docs/sft_dpo.md)")
-    dp = layout_of(cfg).policy.dp
-    s = getattr(cfg, cfg.algorithm)
-    if s.batch_size < dp:
-        raise ConfigError(f"{cfg.algorithm}.batch_size={s.batch_size} is smaller than the {dp} data-parallel ranks "
-                          "(each needs an example)")
 
 
 def _validate_environment(cfg: Config) -> None:

@@ -114,6 +114,10 @@ class PolicyConfig:
     # the lm_head fused into the logprob/entropy kernel (kernels/linear.py): logits exist one [rows, cols] block at a
     # time, never as [tokens, vocab] with their gradient. false: the output layer's logits, then the logprob kernel
     fused_lm_head: bool = True
+    # a value model: a bias-free width-1 head scores every position instead of the lm_head (models/value_head.py),
+    # and the worker returns per-token values where a policy returns logprobs. Set by algorithm=rm (the loader),
+    # not by hand
+    value_head: bool = False
     lora: Optional[LoraConfig] = None  # None: full fine-tuning
     seed: int = 42
 
@@ -268,7 +272,7 @@ class DistillationConfig:
 
 @dataclass
 class SupervisedConfig:
-    """What SFT and DPO share (`megatron-rl sft` / `megatron-rl dpo`, docs/sft_dpo.md): the examples of a step, how
+    """What SFT, DPO and RM share (`megatron-rl sft` / `dpo` / `rm`, docs/sft_dpo.md): the examples of a step, how
     long to train, the order, validation. Data: data.path (train JSONL) and data.val_path (held-out JSONL)."""
     # optimizer steps; None: `epochs` passes over the training file (steps = epochs x ceil(examples / batch_size))
     max_steps: Optional[int] = None
@@ -300,6 +304,16 @@ class DPOConfig(SupervisedConfig):
     label_smoothing: float = 0.0  # sigmoid only: conservative DPO's probability that a label is flipped
     sft_loss_weight: float = 0.0  # + weight x the chosen response's token-mean NLL, averaged over pairs (RPO)
     average_logprobs: bool = False  # each response's logprob is its token mean instead of its sum
+
+
+@dataclass
+class RMConfig(SupervisedConfig):
+    """Bradley-Terry reward-model training on the DPO pair data (`megatron-rl rm`): a scalar head on the policy's
+    decoder scores each sequence at its last token; loss -log sigmoid(r_chosen - r_rejected), averaged over pairs
+    (algorithms/rm_loss.py, docs/sft_dpo.md)."""
+    # + coef x (r_chosen + r_rejected)^2: keeps the rewards centred on 0 (TRL's center_rewards_coefficient,
+    # Eisenstein et al. 2023); None or 0: off
+    center_rewards_coefficient: Optional[float] = None
 
 
 @dataclass
@@ -431,10 +445,11 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     # previous stage whose final checkpoint initialises this run (stage chains); None for a fresh start
     init_from: Optional[str] = None
-    # which trainer runs: `megatron-rl train` (grpo), `megatron-rl sft`, `megatron-rl dpo` set it
-    algorithm: Literal["grpo", "sft", "dpo"] = "grpo"
+    # which trainer runs: `megatron-rl train` (grpo), `megatron-rl sft`, `megatron-rl dpo`, `megatron-rl rm` set it
+    algorithm: Literal["grpo", "sft", "dpo", "rm"] = "grpo"
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     # on-policy distillation from a frozen teacher (algorithm grpo: the same loop, another advantage); None: off
     distillation: Optional[DistillationConfig] = None
 

@@ -217,6 +217,8 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, model, *, step: int = 0, extra_
                            "ep": ps.get_expert_model_parallel_world_size(), "world_size": world},
                 "extra_sharded_keys": sorted(extra_sharded_state or {}),
                 "adapters": adapters,
+                # a reward model / critic (models/value_head.py): exports become ...ForSequenceClassification
+                "value_head": bool(getattr(gpt, "megatron_rl_value_model", False)),
                 "files": files,
             }
             _fsync_write(tmp / METADATA, json.dumps(meta, indent=2) + "\n")

@@ -17,18 +17,25 @@ from torch import nn
 
 
 class ValueHead(nn.Module):
-    def __init__(self, hidden: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, hidden: int, dtype: torch.dtype = torch.float32, seed: int = 0, std: float = 0.02):
         super().__init__()
         self.score = nn.Linear(hidden, 1, bias=False, dtype=dtype)
+        # transformers' initialisation of a new head (normal, the config's initializer_range), from a generator of its
+        # own: every rank (TP, DP) starts from the same head whatever its RNG did before
+        with torch.no_grad():
+            w = torch.empty(self.score.weight.shape, dtype=torch.float32)
+            w.normal_(0.0, std, generator=torch.Generator().manual_seed(seed))
+            self.score.weight.copy_(w)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.score(hidden)
 
 
-def install_value_head(gpt) -> ValueHead | None:
+def install_value_head(gpt, seed: int = 0, std: float = 0.02) -> ValueHead | None:
     """Give `gpt` (its last pipeline stage) a value head in place of its logits; None on stages without an output
     layer. Refused where the output layer's input is not every position's whole hidden state (sequence parallelism,
     multi-token prediction)."""
+    gpt.megatron_rl_value_model = True  # every stage: checkpoints record it (models/checkpoint.py), exports read it
     layer = getattr(gpt, "output_layer", None)
     if layer is None or not getattr(gpt, "post_process", True):
         return None
@@ -36,7 +43,8 @@ def install_value_head(gpt) -> ValueHead | None:
     if cfg.sequence_parallel or getattr(cfg, "mtp_num_layers", None):
         raise ValueError("a value head needs every position's hidden state on each rank: no sequence parallelism "
                          "or multi-token prediction")
-    head = ValueHead(cfg.hidden_size, dtype=cfg.params_dtype)  # a tied model has no output weight of its own
+    # a tied model has no output weight of its own
+    head = ValueHead(cfg.hidden_size, dtype=cfg.params_dtype, seed=seed, std=std)
     gpt.value_head = head
     for p in layer.parameters():  # the lm_head: not part of a value model's function
         p.requires_grad_(False)
@@ -47,3 +55,32 @@ def install_value_head(gpt) -> ValueHead | None:
     layer.forward = forward  # instance attribute: nn.Module.__call__ (and its pre-hooks) dispatch to it
     layer.megatron_rl_returned_hidden = True  # provider.py's padded-logit hook: leave this output alone
     return head
+
+
+# transformers' name of the head in ...ForSequenceClassification
+HF_SCORE = "score.weight"
+
+
+def value_model_hf_tensors(gpt, tensors):
+    """A value model's HF tensors from `mapping.iter_hf_tensors(gpt)`'s: the lm_head's left out (a ...ForSequence-
+    Classification has none), the head's `score.weight` added on the stage that holds it."""
+    for name, t in tensors:
+        if name != "lm_head.weight":
+            yield name, t
+    head = getattr(gpt, "value_head", None)
+    if head is not None:
+        yield HF_SCORE, head.score.weight.detach().clone()
+
+
+def value_model_hf_config(hf_config: dict) -> dict:
+    """The HF config of a value model exported from a causal LM's: transformers' sequence-classification class of the
+    same family, one label, and a pad token (it scores each row at its last non-pad token, and a batch of several
+    rows needs one: the EOS where the model has no pad token)."""
+    cfg = dict(hf_config)
+    cfg["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification") for a in cfg.get("architectures")
+                            or []]
+    cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    if cfg.get("pad_token_id") is None:
+        eos = cfg.get("eos_token_id")
+        cfg["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    return cfg

@@ -96,8 +96,11 @@ class ForwardPass:
         self.varlen = packing_mode == "varlen" and self.spec.sliding_window is None
         self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
         self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
-        # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when)
-        self._fused_head = install_fused_head(gpt, ps.get_tensor_model_parallel_rank()) if cfg.fused_lm_head else None
+        # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when); a value
+        # model's output layer already returns its head's values (models/value_head.py)
+        self.value_model = getattr(gpt, "value_head", None) is not None or bool(getattr(cfg, "value_head", False))
+        self._fused_head = install_fused_head(gpt, ps.get_tensor_model_parallel_rank()) \
+            if cfg.fused_lm_head and not self.value_model else None
         self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head
         tcfg.variable_seq_lengths = True  # micro-batches differ in length; PP exchanges shapes
         self.gpt = gpt
@@ -144,10 +147,14 @@ class ForwardPass:
 
     def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature: float):
         """(logprobs, entropy) per token of the last stage's output: hidden states [b, s, h] after a fused head's
-        forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits."""
+        forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits.
+        A value model's output is [b, s, 1], its values: they stand where logprobs do (entropy 0)."""
         from kernels import linear_token_logprobs, token_logprobs_and_entropy
         from megatron.core import parallel_state as ps
 
+        if self.value_model:
+            values = output[..., 0].float()
+            return values, torch.zeros_like(values)
         tp = self.tp_size > 1
         group = self.tp_group if tp else None
         head = self._fused_head

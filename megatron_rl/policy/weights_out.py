@@ -51,6 +51,10 @@ class WeightsOut:
             from megatron_rl.models.lora import merged_hf_tensors
 
             items = merged_hf_tensors(self.lora, items)
+        if getattr(self.gpt, "megatron_rl_value_model", False):  # a reward model / critic: score.weight, no lm_head
+            from megatron_rl.models.value_head import value_model_hf_tensors
+
+            items = value_model_hf_tensors(self.gpt, items)
         for name, t in items:
             bucket.append((name, t))
             size += t.numel() * t.element_size()

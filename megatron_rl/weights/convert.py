@@ -156,6 +156,11 @@ def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, ep: 
     model = build_model(checkpoint_hf_config(ckpt), params_dtype=resolve_dtype(params_dtype), init_weights=False,
                         layer_spec="local")
     adapters = _with_adapters(model, read_metadata(ckpt).get("adapters"), checkpoint_hf_config(ckpt))
+    value_model = read_metadata(ckpt).get("value_head", False)
+    if value_model:  # a reward model: its head is part of the checkpoint
+        from megatron_rl.models.value_head import install_value_head
+
+        install_value_head(model)
     load_checkpoint(ckpt, model, verify=False)  # verified once before the ranks started
     t1 = time.perf_counter()
     writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
@@ -170,6 +175,10 @@ def _m2h_body(rank: int, world: int, ckpt: str, tmp: str, tp: int, pp: int, ep: 
         from megatron_rl.models.lora import merged_hf_tensors
 
         tensors = merged_hf_tensors(adapters, tensors)
+    if value_model:
+        from megatron_rl.models.value_head import value_model_hf_tensors
+
+        tensors = value_model_hf_tensors(model, tensors)
     parts = []
     # one writer per pipeline stage; the other TP (and EP) ranks only gather: iter_hf_tensors hands every rank of the
     # stage all experts, so the writer writes each once, under the HF per-expert names
@@ -216,8 +225,10 @@ def resolve_checkpoint(path) -> Path:
     return found
 
 
-def _export_config(hf_config: dict, out_dtype: str) -> dict:
-    cfg = dict(hf_config)
+def _export_config(hf_config: dict, out_dtype: str, value_model: bool = False) -> dict:
+    from megatron_rl.models.value_head import value_model_hf_config
+
+    cfg = value_model_hf_config(hf_config) if value_model else dict(hf_config)
     cfg["dtype"] = out_dtype
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = out_dtype
@@ -296,7 +307,7 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
             parts = [p for r in sorted(ranks, key=lambda r: r["pp_rank"]) for p in r["parts"]]
             files = finalize_safetensors(tmp_path, parts)
             (tmp_path / "config.json").write_text(
-                json.dumps(_export_config(meta["hf_config"], out_dtype), indent=2, sort_keys=True) + "\n")
+                json.dumps(_export_config(meta["hf_config"], out_dtype, meta.get("value_head", False)), indent=2, sort_keys=True) + "\n")
             copied = copy_tokenizer_files(ckpt / HF_DIR, tmp_path)
             if "generation_config.json" not in copied:
                 cfg = meta["hf_config"]

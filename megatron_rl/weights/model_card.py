@@ -20,7 +20,10 @@ VAL_KEYS = ("val_accuracy", "val_pass_at_k")
 # SFT / DPO runs (`algorithm: sft | dpo` in the run's config)
 SUPERVISED_TRAIN_KEYS = ("loss", "rewards_accuracy", "rewards_margin")
 SUPERVISED_VAL_KEYS = ("val_loss", "val_rewards_accuracy")
-TITLES = {"grpo": "GRPO", "sft": "SFT", "dpo": "DPO"}
+TITLES = {"grpo": "GRPO", "sft": "SFT", "dpo": "DPO", "rm": "Reward-model (Bradley-Terry)"}
+# reward-model runs: TRL's RewardTrainer names
+RM_TRAIN_KEYS = ("loss", "accuracy", "margin")
+RM_VAL_KEYS = ("val_loss", "val_accuracy")
 
 
 def find_run(ckpt: Path) -> Path | None:
@@ -44,8 +47,9 @@ def _algorithm(config: dict) -> str:
 def _supervised_recipe(config: dict, step: int, algo: str) -> list[str]:
     g = lambda p: _get(config, p)  # noqa: E731
     steps = g(f"{algo}.max_steps")
-    loss = (f"loss `{g('dpo.loss')}`, beta {g('dpo.beta')}" if algo == "dpo"
-            else f"loss normaliser `{g('sft.loss_normalizer')}`")
+    loss = {"dpo": f"loss `{g('dpo.loss')}`, beta {g('dpo.beta')}",
+            "rm": f"loss -log sigmoid(r_chosen - r_rejected), centring coefficient "
+                  f"{g('rm.center_rewards_coefficient')}"}.get(algo, f"loss normaliser `{g('sft.loss_normalizer')}`")
     return [f"- steps: {step} of `{algo}.max_steps` {steps}" if steps is not None
             else f"- steps: {step} ({g(f'{algo}.epochs')} epochs)",
             f"- algorithm: {TITLES[algo]}, {loss}, {g(f'{algo}.batch_size')} examples per step, lr "
@@ -76,8 +80,9 @@ def _fmt(v) -> str:
 def _metrics_table(records: list[dict], step: int, algo: str = "grpo") -> list[str]:
     """first and last logged value of each key, over the records up to `step` (training keys: training records)."""
     upto = [r for r in records if r.get("step", 0) <= step]
-    marker, train_keys, val_keys = (("reward_mean", TRAIN_KEYS, VAL_KEYS) if algo == "grpo"
-                                    else ("loss", SUPERVISED_TRAIN_KEYS, SUPERVISED_VAL_KEYS))
+    marker, train_keys, val_keys = {"grpo": ("reward_mean", TRAIN_KEYS, VAL_KEYS),
+                                    "rm": ("loss", RM_TRAIN_KEYS, RM_VAL_KEYS)}.get(
+        algo, ("loss", SUPERVISED_TRAIN_KEYS, SUPERVISED_VAL_KEYS))
     trained = [r for r in upto if marker in r]
     rows = []
     for keys, recs in ((train_keys, trained), (val_keys, upto)):
@@ -100,7 +105,8 @@ def model_card(ckpt: Path, meta: dict, out_name: str, dtype: str) -> str:
     arch = ", ".join((meta.get("hf_config") or {}).get("architectures") or ["?"])
     algo = _algorithm(config)
     tags = "grpo, reinforcement-learning" if algo == "grpo" else algo
-    lines = ["---", "library_name: transformers", "pipeline_tag: text-generation",
+    value = bool(meta.get("value_head"))  # a reward model: transformers' ...ForSequenceClassification
+    lines = ["---", "library_name: transformers", f"pipeline_tag: {'text-classification' if value else 'text-generation'}",
              f"tags: [megatron-rl, {tags}]", "---", "", f"# {out_name}", ""]
     if run:
         lines += [f"{TITLES[algo]}-trained with megatron-rl from **{base}** ({arch}, exported as "
@@ -115,6 +121,13 @@ def model_card(ckpt: Path, meta: dict, out_name: str, dtype: str) -> str:
         lines += [f"{arch} weights exported by megatron-rl from a checkpoint at step {step} (base: **{base}**, "
                   f"exported as {dtype}); the checkpoint is not inside a training run's folder, so no recipe or "
                   "metrics are recorded here.", ""]
+    if value:
+        lines += ["## Use", "", "A reward model: one score per sequence, at its last token.", "", "```python",
+                  "from transformers import AutoModelForSequenceClassification, AutoTokenizer", "",
+                  f'tok = AutoTokenizer.from_pretrained("{out_name}")',
+                  f'model = AutoModelForSequenceClassification.from_pretrained("{out_name}")',
+                  'score = model(**tok("prompt and response", return_tensors="pt")).logits[0, 0]', "```", ""]
+        return "\n".join(lines)
     lines += ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'tok = AutoTokenizer.from_pretrained("{out_name}")',
               f'model = AutoModelForCausalLM.from_pretrained("{out_name}")', "```", "",

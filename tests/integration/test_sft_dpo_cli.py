@@ -1,4 +1,4 @@
-"""`megatron-rl sft` and `megatron-rl dpo` end to end through the real CLI (Ray + megatron-core policy ranks, no vLLM
+"""`megatron-rl sft`, `megatron-rl dpo` and `megatron-rl rm` end to end through the real CLI (Ray + megatron-core policy ranks, no vLLM
 engine) on a tiny model with the SmolLM2 tokenizer and the tiny data fixtures: the records, checkpoints and the
 validation loss; a stopped SFT run re-run with more steps reproduces the uninterrupted run's records (across an
 epoch boundary); a bad data line is one line naming file, line and field, before any worker starts. `-m slow`: the
@@ -112,9 +112,11 @@ def test_dpo_two_steps_at_dp2(model, tmp_path):
     ("sft", {"prompt": "What is 1 + 1?", "completion": ""}, "field 'completion' is empty"),
     ("sft", {"prompt": "What is 1 + 1?", "completion": "2 " * 600}, "field 'completion': the example has"),
     ("dpo", {"prompt": "What is 1 + 1?", "chosen": "2"}, "missing field 'rejected'"),
+    ("rm", {"prompt": "What is 1 + 1?", "chosen": "2", "rejected": ""}, "field 'rejected' is empty"),
 ])
 def test_bad_data_line_named_before_any_worker(model, tmp_path, algo, line, field):
-    good = [json.loads(x) for x in (FIXTURES / f"{algo}_tiny.jsonl").read_text().splitlines()[:3]]
+    fixture = FIXTURES / f"{'dpo' if algo == 'rm' else algo}_tiny.jsonl"  # a reward model reads DPO's pairs
+    good = [json.loads(x) for x in fixture.read_text().splitlines()[:3]]
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(x) + "\n" for x in good + [line]))
     r = run(algo, tmp_path / "out", model, f"data.path={data}", f"{algo}.max_seq_len=512", timeout=120)
@@ -122,6 +124,42 @@ def test_bad_data_line_named_before_any_worker(model, tmp_path, algo, line, fiel
     err = [x for x in r.stderr.splitlines() if x.strip()]
     assert err == [f"data error: {data}:4: {err[0].split(':4: ', 1)[1]}"] and field in err[0], r.stderr
     assert "starting" not in r.stdout and not (tmp_path / "out" / "logs").exists()  # nothing was started
+
+
+def test_rm_trains_and_its_export_scores_like_the_trainer(model, tmp_path):
+    """`megatron-rl rm` two steps, then `convert megatron-to-hf`: transformers' AutoModelForSequenceClassification
+    loads the export, and its scores of the held-out pairs give the trainer's last validation (TRL's loss in plain
+    torch, the pairwise accuracy and margin). The tiny model pads with <|im_end|>, which ends every response: both
+    score a sequence at the token before it."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification
+
+    from megatron_rl.data.supervised import read_pairs
+    from megatron_rl.data.tokenizer import tokenizer_for
+
+    out = tmp_path / "rm"
+    ok(run("rm", out, model, "rm.max_steps=2", "rm.val_every=2", "rm.center_rewards_coefficient=0.01"))
+    recs = records(out)
+    for s in (1, 2):
+        assert {"loss", "grad_norm", "accuracy", "margin", "chosen_rewards", "rejected_rewards"} <= set(recs[s]), s
+    assert {"val_loss", "val_accuracy", "val_margin"} <= set(recs[0]) and recs[2]["val_loss"] != recs[0]["val_loss"]
+    hf = out / "hf"
+    subprocess.run([sys.executable, "-m", "megatron_rl", "convert", "megatron-to-hf", "--ckpt",
+                    str(out / "checkpoints"), "--out", str(hf)], check=True, capture_output=True, timeout=300, cwd=REPO)
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
+    assert "AutoModelForSequenceClassification" in (hf / "README.md").read_text()
+    rm = AutoModelForSequenceClassification.from_pretrained(hf, dtype=torch.float32).eval()
+    pairs = read_pairs(FIXTURES / "dpo_tiny.jsonl", tokenizer_for(model), 10**6)
+    with torch.no_grad():
+        score = lambda ids: rm(input_ids=torch.tensor([ids])).logits[0, 0]  # noqa: E731
+        chosen = torch.stack([score(p.prompt + p.chosen) for p in pairs])
+        rejected = torch.stack([score(p.prompt + p.rejected) for p in pairs])
+    loss = -F.logsigmoid(chosen - rejected).mean() + 0.01 * ((chosen + rejected) ** 2).mean()
+    assert recs[2]["val_loss"] == pytest.approx(float(loss), rel=1e-4)
+    assert recs[2]["val_accuracy"] == pytest.approx(float((chosen > rejected).float().mean()))
+    assert recs[2]["val_margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-3, abs=1e-4)
 
 
 def _fsdp2_and_megatron(algo, sft_full, model, tmp_path):

@@ -21,7 +21,7 @@ def test_import_is_light_and_names_the_api():
     code = ("import sys, megatron_rl; print(sorted(m for m in ('torch', 'ray', 'vllm', 'megatron') if m in sys.modules));"
             "print(megatron_rl.__all__)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert r.stdout.splitlines() == ["[]", "['train', 'sft', 'dpo', 'load_config', 'evaluate']"]
+    assert r.stdout.splitlines() == ["[]", "['train', 'sft', 'dpo', 'rm', 'load_config', 'evaluate']"]
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         megatron_rl.trian
 

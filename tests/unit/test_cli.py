@@ -58,7 +58,7 @@ def test_version_prints_the_package_version():
 
 # every command's --help (the convert directions too) and what it must name: its main arguments and config keys
 HELP = {
-    (): ["train", "sft", "dpo", "eval", "convert", "plan", "info", "--version", "--debug"],
+    (): ["train", "sft", "dpo", "rm", "eval", "convert", "plan", "info", "--version", "--debug"],
     ("train",): ["--dry-run", "policy.model", "policy.tp", "policy.optimizer.lr", "generation.dp", "data.source",
                  "data.task", "data.path", "grpo.max_steps", "grpo.num_prompts_per_step", "grpo.max_staleness",
                  "cluster.devices_per_node", "cluster.num_nodes", "cluster.colocated", "checkpoint.every_steps",
@@ -68,6 +68,8 @@ HELP = {
                "policy.scheduler.warmup_steps", "policy.optimizer.clip_grad", "megatron-to-hf"],
     ("dpo",): ["--dry-run", "chosen", "rejected", "data.path", "dpo.batch_size", "dpo.loss", "dpo.beta",
                "dpo.label_smoothing", "dpo.sft_loss_weight", "dpo.average_logprobs", "dpo.val_every"],
+    ("rm",): ["--dry-run", "chosen", "rejected", "data.path", "rm.batch_size", "rm.center_rewards_coefficient",
+              "rm.val_every", "accuracy", "AutoModelForSequenceClassification", "megatron-to-hf"],
     ("eval",): ["--model", "--config", "--data", "--jsonl", "--n", "--num-prompts", "data.task", "data.val_path",
                 "reward.kind", "generation.max_new_tokens", "generation.temperature", "val_pass_at_k"],
     ("convert",): ["hf-to-megatron", "megatron-to-hf", "--hf", "--ckpt", "--out", "--tp", "--dtype"],
@@ -78,7 +80,7 @@ HELP = {
     ("info",): ["--json", "platform", "devices"],
 }
 SECTIONS = ("cluster", "policy", "generation", "grpo", "data", "reward", "checkpoint", "logging", "output", "sft",
-            "dpo", "distillation")
+            "dpo", "rm", "distillation")
 
 
 def schema_has(key: str) -> bool:
