@@ -54,9 +54,6 @@ def _value_head(cfg: Config) -> None:
             raise ConfigError(f"policy.value_head is set by algorithm=rm (megatron-rl rm), not for "
                               f"algorithm={cfg.algorithm}")
         return
-    if p.backend != "megatron":
-        raise ConfigError(f"megatron-rl rm: policy.backend={p.backend} has no value head yet; use "
-                          "policy.backend=megatron")
     if p.lora is not None:
         raise ConfigError("megatron-rl rm: policy.lora is not supported with a value head yet (the head would "
                           "train, the decoder would not merge into an HF ForSequenceClassification export); "

@@ -42,7 +42,7 @@ def _state(model, optimizer, adapters: bool = False):
 
 
 def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state: dict, hf_dir, dtype: torch.dtype,
-                          dp: int, tp: int = 1, adapters: dict | None = None) -> Path:
+                          dp: int, tp: int = 1, adapters: dict | None = None, value_head: bool = False) -> Path:
     """Collective over every rank: write `model`'s and `optimizer`'s shards and rank 0's extras atomically.
     adapters: a LoRA run's {"lora": policy.lora as a dict, "base": the base HF folder}: only the adapters are saved
     (models/checkpoint.py's rule for the megatron backend)."""
@@ -72,6 +72,7 @@ def save_fsdp2_checkpoint(ckpt_dir, model, optimizer, *, step: int, extra_state:
                     "params_dtype": str(dtype).replace("torch.", ""),
                     "layout": {"tp": tp, "pp": 1, "ep": 1, "dp": dp, "world_size": dp * tp},
                     "extra_sharded_keys": ["optim"] if optimizer is not None else [], "adapters": adapters,
+                    "value_head": value_head,  # a reward model / critic (models/checkpoint.py's key)
                     "files": files}
             _fsync_write(tmp / METADATA, json.dumps(meta, indent=2) + "\n")
             hf_io.publish_permissions(tmp)

@@ -69,11 +69,13 @@ class _Scorer(nn.Module):
     """The HF causal LM, scoring tokens: decoder -> final hidden states of the response window -> (logprobs,
     entropy) by the project's kernels. The FSDP root, so that the lm_head is unsharded while the kernel runs."""
 
-    def __init__(self, lm: nn.Module, fused: bool, tp_group=None):
+    def __init__(self, lm: nn.Module, fused: bool, tp_group=None, score: nn.Linear | None = None):
         super().__init__()
         self.lm = lm
         self.fused = fused
         self.tp_group = tp_group  # policy.tp > 1: the lm_head holds a vocab slice (policy/fsdp2_tp.py)
+        if score is not None:  # a value model (policy.value_head): HF's name, `score.weight`, beside `lm.`
+            self.score = score
 
     def forward(self, tokens, positions, window, targets, temperature: float, attention_mask=None, topk=None):
         """(logprobs, entropy) of the window's targets; with `topk` = (resp_mask [b, w], ids [n, k]), top-k
@@ -84,6 +86,9 @@ class _Scorer(nn.Module):
         out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
                                     use_cache=False)
         hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
+        if hasattr(self, "score"):  # a value model's values stand where logprobs do (megatron's ForwardPass too)
+            values = self.score(hidden)[..., 0].float()
+            return values, torch.zeros_like(values)
         head = self.lm.get_output_embeddings()
         weight, start, tp = head.weight, 0, dict(tp_group=self.tp_group)
         if self.tp_group is not None:
@@ -180,13 +185,24 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         kw = dict(mesh=self.mesh["dp"], mp_policy=mp, reshard_after_forward=True)
         for layer in decoder_layers(lm):
             fully_shard(layer, **kw)
-        self.model = fully_shard(_Scorer(lm, cfg.fused_lm_head, tp_group), **kw)
+        computed = {} if self.lora is None else fsdp2_lora.initial_values(self.lora, cfg.seed)
+        score = None
+        if cfg.value_head:  # a reward model / critic: a fresh head as the megatron backend's, the lm_head frozen
+            from megatron_rl.models.value_head import HF_SCORE, ValueHead
+
+            init = ValueHead(lm.config.hidden_size, seed=cfg.seed,
+                             std=getattr(lm.config, "initializer_range", 0.02)).score
+            with torch.device("meta"):
+                score = nn.Linear(lm.config.hidden_size, 1, bias=False)
+            computed[HF_SCORE] = init.weight.detach()
+            if not self._tied(lm):  # a tied lm_head is the input embedding, which trains
+                lm.get_output_embeddings().requires_grad_(False)
+        self.model = fully_shard(_Scorer(lm, cfg.fused_lm_head, tp_group, score), **kw)
         for m in self.model.modules():  # the loss is globally normalised: sum the shards' gradients (module doc)
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
-        fsdp2_load.load_shards(self.model, ROOT, self.model_dir, self.device,
-                               None if self.lora is None else fsdp2_lora.initial_values(self.lora, cfg.seed), **attn)
+        fsdp2_load.load_shards(self.model, ROOT, self.model_dir, self.device, computed, **attn)
         self._build_optimizer()
         # the KL reference: the initial weights (this rank's shards), host-resident, as the megatron worker keeps them;
         # with LoRA the base itself, adapters off (no copy)
@@ -196,6 +212,10 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                 "num_params": sum(p.numel() for p in self.model.parameters()),  # DTensors: the global sizes
                 "trainable_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
                 "backend": "fsdp2"}
+
+    @staticmethod
+    def _tied(lm: nn.Module) -> bool:
+        return lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
 
     def _build_optimizer(self) -> None:
         o, s = self.cfg.optimizer, self.cfg.scheduler
@@ -398,8 +418,12 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         return out
 
     def _full_weights(self):
-        """(HF name, full tensor, this rank's shard) of every model weight but the adapters."""
+        """(HF name, full tensor, this rank's shard) of every model weight but the adapters (and a value model's
+        lm_head: a ...ForSequenceClassification has none)."""
         for name, p in self.model.named_parameters():
+            if self.cfg.value_head and not self._tied(self.model.lm) and \
+                    p is self.model.lm.get_output_embeddings().weight:
+                continue
             if fsdp2_lora.ADAPTER_KEY not in name:
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
                 yield (name[len(ROOT):] if name.startswith(ROOT) else name), full, self._local(p)
@@ -424,7 +448,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                                              extra_state=extra_state, hf_dir=self.model_dir,
                                              dtype=self.dtype, dp=self.dp_size, tp=self.tp_size,
                                              adapters=None if self.lora is None else
-                                             {"lora": vars(self.cfg.lora), "base": str(self.model_dir)}))
+                                             {"lora": vars(self.cfg.lora), "base": str(self.model_dir)},
+                                             value_head=self.cfg.value_head))
         finally:
             get_platform().trim_host_heap()
 

@@ -284,7 +284,8 @@ def megatron_to_hf(ckpt, out, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: s
             from megatron_rl.weights.convert_fsdp2 import fsdp2_export_part
 
             ranks = [fsdp2_export_part(ckpt, meta["hf_config"], tmp, resolve_dtype(out_dtype),
-                                       int(max_shard_bytes), lora, peft)] if _is_coordinator() else []
+                                       int(max_shard_bytes), lora, peft, meta.get("value_head", False))] \
+                if _is_coordinator() else []
         else:
             ranks = _launch(_m2h_body, tp * pp * ep,
                             (str(ckpt), tmp, tp, pp, ep, params_dtype, out_dtype, int(max_shard_bytes), peft))

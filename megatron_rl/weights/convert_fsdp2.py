@@ -58,23 +58,28 @@ def _merged_base(adapters: dict, lora: dict) -> dict[str, torch.Tensor]:
     return disk_state_dict(model)
 
 
-def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None) -> dict[str, torch.Tensor]:
+def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None,
+                   value_head: bool = False) -> dict[str, torch.Tensor]:
     """{HF on-disk name: full fp32 tensor} of an FSDP2 checkpoint's model (a LoRA one's, `lora` its metadata
-    `adapters`, merged onto its base)."""
+    `adapters`, merged onto its base; a value model's as transformers' ...ForSequenceClassification)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from megatron_rl.models.value_head import HF_SCORE, value_model_hf_config
 
     if lora is not None:
         return _merged_base(fsdp2_adapters(ckpt), lora)
 
-    cfg = dict(hf_config)
+    cfg = value_model_hf_config(hf_config) if value_head else dict(hf_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        auto = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")  # every persistent tensor is filled below; non-persistent buffers are not exported
     stored = set(FileSystemReader(str(ckpt / DIST_DIR)).read_metadata().state_dict_metadata)
-    want = {FSDP2_PREFIX + k: v for k, v in model.state_dict().items()}
+    # the worker's names: the HF model under FSDP2_PREFIX, a value model's head beside it (fsdp2_worker._Scorer)
+    want = {(k if k == HF_SCORE else FSDP2_PREFIX + k): v for k, v in model.state_dict().items()}
     # a tied lm_head is the embedding itself (one tensor, possibly stored under one name only)
     tied = {FSDP2_PREFIX + "lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     missing = [k for k in want if f"model.{k}" not in stored and k not in tied]
@@ -86,7 +91,7 @@ def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None) -> dic
 
 
 def fsdp2_export_part(ckpt: Path, hf_config: dict, tmp: str, out_dtype: torch.dtype, max_shard_bytes: int,
-                      lora: dict | None = None, peft: bool = False) -> dict:
+                      lora: dict | None = None, peft: bool = False, value_head: bool = False) -> dict:
     """Write the checkpoint's weights as safetensors parts into `tmp`: the result record of one exporting rank, in
     the megatron path's shape (weights/convert.py finishes the folder from it). peft: the record carries the
     adapters in PEFT's names and their module names instead."""
@@ -99,7 +104,7 @@ def fsdp2_export_part(ckpt: Path, hf_config: dict, tmp: str, out_dtype: torch.dt
         return {"rank": 0, "pp_rank": 0, "parts": [], "load_s": time.perf_counter() - t0, "write_s": 0.0,
                 "adapters": {peft_hf_name(p, m): t for p, ab in adapters.items() for m, t in ab.items()},
                 "target_names": sorted({p.rsplit(".", 1)[-1] for p in adapters})}
-    state = fsdp2_hf_state(ckpt, hf_config, lora)
+    state = fsdp2_hf_state(ckpt, hf_config, lora, value_head)
     t1 = time.perf_counter()
     parts = write_safetensors_parts(((k, v.to(out_dtype)) for k, v in state.items()), Path(tmp), "part-pp0000",
                                     max_shard_bytes)

@@ -1,5 +1,6 @@
 """Rank bodies for test_rm.py: one reward-model step of the Megatron worker with a value head (policy.value_head) at
-DP=2, TP=2 and PP=2, and DP=2 with varlen packing, against an independent reference: transformers'
+DP=2, TP=2 and PP=2, and DP=2 with varlen packing, and of the FSDP2 worker at DP=2 and TP=2, against an independent
+reference: transformers'
 ...ForSequenceClassification (its `score` set to the worker's initial head) scoring each sequence at its last token,
 TRL RewardTrainer's loss written here in plain torch, then one clipped torch.optim.AdamW step.
 """
@@ -70,19 +71,22 @@ def hf_rm_reference(model_dir: str, examples: list[PairExample], score: torch.Te
 def rm_layouts(rank: int, world_size: int, model_dir: str):
     from megatron_rl.algorithms.rm_loss import RMLossFn
     from megatron_rl.algorithms.supervised_batches import rm_pair_batch
+    from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
     examples = pairs(vocab)
     batch = rm_pair_batch(examples, pad_id=vocab - 1)
     res = {}
-    for name, kw in (("dp2", {}), ("tp2", dict(tp=2)), ("pp2", dict(pp=2)), ("dp2_varlen", dict(packing="varlen"))):
-        packing = kw.pop("packing", None)
+    for name, kw in (("dp2", {}), ("tp2", dict(tp=2)), ("pp2", dict(pp=2)), ("dp2_varlen", dict(packing="varlen")),
+                     ("fsdp2_dp2", dict(backend="fsdp2")), ("fsdp2_tp2", dict(backend="fsdp2", tp=2))):
+        extra = {k: kw.pop(k) for k in ("packing", "backend") if k in kw}
         cfg = _cfg(model_dir, fused=False, **kw)
         cfg.value_head = True
-        if packing:
-            cfg.packing = packing
-        w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
+        for k, v in extra.items():
+            setattr(cfg, k, v)
+        worker = FSDP2PolicyWorker if cfg.backend == "fsdp2" else MegatronPolicyWorker
+        w = worker(rank, world_size, policy_cfg=cfg)
         w.setup()
         before = {k: v for d in _gather_obj(w.hf_state_dict()) if d for k, v in d.items()}
         # the worker's per-token values before the step: each sequence's last one is its reward

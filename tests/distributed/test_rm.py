@@ -1,5 +1,5 @@
-"""Reward-model training on the Megatron worker with a value head equals an independent reference at DP=2, TP=2, PP=2
-and DP=2 varlen: transformers' ForSequenceClassification scoring each sequence at its last token (its `score` set to
+"""Reward-model training with a value head equals an independent reference on both backends (megatron at DP=2, TP=2,
+PP=2 and DP=2 varlen; fsdp2 at DP=2 and TP=2): transformers' ForSequenceClassification scoring each sequence at its last token (its `score` set to
 the worker's initial head), TRL RewardTrainer's loss (with its centring term) in plain torch, one clipped
 torch.optim.AdamW step; the metrics as TRL names them. One launch for all layouts (rm_bodies.py)."""
 import pytest
@@ -9,7 +9,7 @@ from megatron_rl.distributed.launch import run_distributed
 from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed import rm_bodies
 
-LAYOUTS = ["dp2", "tp2", "pp2", "dp2_varlen"]
+LAYOUTS = ["dp2", "tp2", "pp2", "dp2_varlen", "fsdp2_dp2", "fsdp2_tp2"]
 
 
 @pytest.fixture(scope="module")

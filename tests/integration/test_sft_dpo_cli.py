@@ -126,11 +126,12 @@ def test_bad_data_line_named_before_any_worker(model, tmp_path, algo, line, fiel
     assert "starting" not in r.stdout and not (tmp_path / "out" / "logs").exists()  # nothing was started
 
 
-def test_rm_trains_and_its_export_scores_like_the_trainer(model, tmp_path):
+@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
+def test_rm_trains_and_its_export_scores_like_the_trainer(model, tmp_path, backend):
     """`megatron-rl rm` two steps, then `convert megatron-to-hf`: transformers' AutoModelForSequenceClassification
     loads the export, and its scores of the held-out pairs give the trainer's last validation (TRL's loss in plain
-    torch, the pairwise accuracy and margin). The tiny model pads with <|im_end|>, which ends every response: both
-    score a sequence at the token before it."""
+    torch, the pairwise accuracy and margin), on either backend. The tiny model pads with <|im_end|>, which ends
+    every response: both score a sequence at the token before it."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForSequenceClassification
@@ -139,7 +140,8 @@ def test_rm_trains_and_its_export_scores_like_the_trainer(model, tmp_path):
     from megatron_rl.data.tokenizer import tokenizer_for
 
     out = tmp_path / "rm"
-    ok(run("rm", out, model, "rm.max_steps=2", "rm.val_every=2", "rm.center_rewards_coefficient=0.01"))
+    ok(run("rm", out, model, "rm.max_steps=2", "rm.val_every=2", "rm.center_rewards_coefficient=0.01",
+           f"policy.backend={backend}"))
     recs = records(out)
     for s in (1, 2):
         assert {"loss", "grad_norm", "accuracy", "margin", "chosen_rewards", "rejected_rewards"} <= set(recs[s]), s

