@@ -35,10 +35,11 @@ class Components:
     handover: object  # algorithms.handover.Handover: who holds the device
     env_pool: object = None  # environments.runner.EnvironmentPool of a multi-turn run (environment.cls), else None
     teacher: object = None  # policy.teacher_worker.TeacherGroup of a distillation run (config.distillation), else None
+    reward_model: object = None  # the same group shape scoring with a value head (config reward.model), else None
 
     def shutdown(self) -> None:
         # vLLM first: Ray's shutdown otherwise leaks vLLM's /dev/shm segments (its broadcaster outlives a killed actor)
-        for part in (self.generator, self.policy, self.teacher):
+        for part in (self.generator, self.policy, self.teacher, self.reward_model):
             try:
                 if part is not None:
                     part.shutdown()
@@ -159,6 +160,14 @@ def start_teacher(cfg: Config, placement, logs: Path, sharing: int, share: float
     """The distillation teacher's ranks (policy/teacher_worker.py), one on each of the policy's bundles, set up (its
     weights resident until the handover offloads them)."""
     from megatron_rl.config.distillation import teacher_checkpoint, teacher_policy_config
+
+    return start_frozen(cfg, "teacher", teacher_policy_config(cfg), teacher_checkpoint(cfg.distillation.teacher),
+                        placement, logs, sharing, share)
+
+
+def start_frozen(cfg: Config, role: str, policy_cfg, ckpt, placement, logs: Path, sharing: int, share: float):
+    """A frozen group of megatron ranks that only score (`TeacherGroup`: the distillation teacher, a reward model),
+    one on each of the policy's bundles, set up from `policy_cfg` (and the checkpoint `ckpt`, if not None)."""
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.distributed.worker_group import WorkerGroup
     from megatron_rl.policy.teacher_worker import TeacherGroup, TeacherWorker
@@ -166,13 +175,11 @@ def start_teacher(cfg: Config, placement, logs: Path, sharing: int, share: float
     c = cfg.cluster
     world = layout_of(cfg).policy.world_size
     threads = None if get_platform().is_gpu else (cfg.policy.threads or max(1, (os.cpu_count() or 1) // sharing))
-    ckpt = teacher_checkpoint(cfg.distillation.teacher)
-    group = WorkerGroup(TeacherWorker, placement, name="teacher", world_size=world, bundle_indices=list(range(world)),
-                        share=share, log_dir=str(logs), threads=threads,
+    group = WorkerGroup(TeacherWorker, placement, name=role.replace(" ", "_"), world_size=world,
+                        bundle_indices=list(range(world)), share=share, log_dir=str(logs), threads=threads,
                         master_addr=c.bind_host if c.num_nodes == 1 else None,
-                        init_kwargs=dict(teacher_cfg=teacher_policy_config(cfg),
-                                         checkpoint=str(ckpt) if ckpt is not None else None))
-    return TeacherGroup(group)
+                        init_kwargs=dict(teacher_cfg=policy_cfg, checkpoint=str(ckpt) if ckpt is not None else None))
+    return TeacherGroup(group, role)
 
 
 def build_supervised(cfg: Config, out_dir: Path, tok, data) -> Components:
@@ -220,6 +227,8 @@ def start_scoring(cfg: Config):
         from megatron_rl.environments.runner import EnvironmentPool
 
         return None, EnvironmentPool.from_config(cfg.environment)
+    if cfg.reward.kind == "model":  # the reward model alone: its group starts with the others (`_build`)
+        return None, None
     from megatron_rl.rewards.reward_fn import RewardFn
 
     return RewardFn(cfg.reward, cfg.data.source), None
@@ -270,12 +279,22 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
             # the handover offloads the teacher in turn before the engines start
             policy.offload()
         teacher = start_teacher(cfg, placement, logs, sharing, layout.policy_share)
+    reward_model = None
+    if cfg.reward.model is not None:  # on the policy's bundles, as a teacher (its turn: Handover.frozen_turn)
+        from megatron_rl.config.reward_model import reward_model_checkpoint, reward_model_policy_config
+
+        say(t0, f"reward model {cfg.reward.model.path}")
+        if c.colocated:  # never resident with the trainer's state (the teacher's rule above)
+            policy.offload()
+        reward_model = start_frozen(cfg, "reward model", reward_model_policy_config(cfg),
+                                    reward_model_checkpoint(cfg.reward.model.path), placement, logs, sharing,
+                                    layout.policy_share)
     from megatron_rl.algorithms.handover import Handover
     from megatron_rl.buffers import BUCKET_BYTES
 
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
                         sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit,
-                        teacher=teacher)
+                        teacher=teacher, reward_model=reward_model)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
     say(t0, f"{len(gen_bundles)} vLLM engine(s) load the weights and size the KV cache")
@@ -284,9 +303,13 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
     handover.generator = generator
     handover.connect(c.bind_host if c.num_nodes == 1 else None, cfg.generation.tp)
     handover.check_engine_started()
+    if reward_model is not None:  # the verifier's reward (or none: reward.kind model) plus the model's score
+        from megatron_rl.rewards.model_reward import ModelReward
+
+        reward_fn = ModelReward(reward_fn, reward_model, handover, cfg.reward.model)
     say(t0, "ready")
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool,
-                      teacher)
+                      teacher, reward_model)
 
 
 def evaluate_model(cfg: Config, model: str, *, n: int, num_prompts: int, temperature: float | None = None,
@@ -299,6 +322,11 @@ def evaluate_model(cfg: Config, model: str, *, n: int, num_prompts: int, tempera
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.generation import build_engine
 
+    if cfg.reward.kind == "model":
+        from megatron_rl.config.loader import ConfigError
+
+        raise ConfigError("megatron-rl eval scores with a verifier; reward.kind=model (a reward model's score) is "
+                          "scored in training runs only: set reward.kind=auto, or validate inside the run")
     model = str(resolve_model_dir(model))  # "default": the embedded model, as in training
     tok = load_tokenizer(cfg.policy.tokenizer or model)
     ds = load_dataset(cfg.data, tok, split, size=num_prompts)

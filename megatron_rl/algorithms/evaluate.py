@@ -34,12 +34,15 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
         kw["expected_version"] = version
     res = generator.generate([it.prompt_ids for it in items], **kw)
     texts = [tokenizer.decode(t) for t in res.token_ids]
-    rewards, stats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
+    rewards, stats = reward_fn.score([items[i] for i in res.prompt_indices], texts, token_ids=res.token_ids)
     correct = [r >= 1.0 for r in rewards]
     per_prompt = [any(correct[k] for k in res.for_prompt(i)) for i in range(len(items))]
     out = {"val_accuracy": sum(correct) / max(len(correct), 1),
             "val_pass_at_k": sum(per_prompt) / max(len(per_prompt), 1),
-            "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))]}
+            "val_k": n, "val_num_prompts": len(items), "val_samples": texts[: min(4, len(texts))],
+            "val_reward_mean": sum(rewards) / max(len(rewards), 1)}
+    if stats.get("rm_scored"):  # a reward model's own mean score of the held-out completions (rewards/model_reward.py)
+        out["val_rm_score_mean"] = stats["rm_score_sum"] / stats["rm_scored"]
     answers = stats.get("answers") or [None] * len(texts)
     if keep > 0:
         from megatron_rl.algorithms.samples import sample_record

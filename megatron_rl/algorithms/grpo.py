@@ -56,6 +56,7 @@ def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> di
                       **episodes)
     tracker.log_samples(step, "val", [{**r, "step": step} for r in greedy.get("samples", [])])
     out = {"val_accuracy": greedy["val_accuracy"], "val_num_prompts": greedy["val_num_prompts"]}
+    out.update({k: greedy[k] for k in ("val_reward_mean", "val_rm_score_mean") if k in greedy})
     if cfg.grpo.val_pass_k > 0:
         sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
                            temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens,
@@ -101,6 +102,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
            "truncated_frac": gstats["num_truncated"] / max(gstats["num_samples"], 1),
            "num_generated_tokens": gstats.get("num_generated_tokens", 0),
            "num_prompt_tokens": gstats.get("num_prompt_tokens", 0)}
+    if gstats.get("rm_scored"):  # a reward model's mean score of the step's samples (rewards/model_reward.py)
+        rec["rm_score_mean"] = gstats["rm_score_sum"] / gstats["rm_scored"]
     # multi-turn rollouts (algorithms/episodes.py): what the environments did
     rec.update({k: v for k, v in gstats.items() if k in MULTITURN_METRICS or k.startswith("env/")})
     if rewards.numel():  # over the kept groups; absent (not 0) when dynamic sampling dropped every group

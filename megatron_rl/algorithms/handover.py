@@ -24,6 +24,12 @@ With a distillation teacher (`teacher`, policy/teacher_worker.py) a colocated st
 so the teacher's weights are resident only while it scores, alone on the device with the sleeping engine. Disaggregated,
 the teacher shares the policy's bundles and stays resident.
 
+A reward model (`reward_model`, config reward.model) scores inside the generator's turn, after each generate call
+that needs rewards (dynamic sampling draws again; validation scores too), so its turn is a round trip
+(`frozen_turn`): the engine sleeps keeping its weights (level 1, whatever generation.sleep_level: it generates again
+right after), the reward model onloads and scores, offloads, and the engine wakes. Its weights are resident only
+while it scores, with the engine's KV cache released and its weights on the host.
+
 The trainer's state and the engine's KV cache are never resident together; the engine's weights and the trainer
 are, during the refit only. Checkpoints are written between `to_trainer` and `to_generator` (the trainer's state
 must be resident to be read). Disaggregated placements skip the memory moves: each side keeps its own devices.
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from megatron_rl.lifecycle import AWAKE, OFFLOADED, LifecycleError
 from megatron_rl.platform import get_platform
@@ -42,8 +49,9 @@ from megatron_rl.platform import get_platform
 
 class Handover:
     def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int, sleep_level: int,
-                 lora_refit: str = "merged", teacher=None):
-        self.policy, self.generator, self.teacher = policy, generator, teacher
+                 lora_refit: str = "merged", teacher=None, reward_model=None):
+        self.policy, self.generator, self.teacher, self.reward_model = policy, generator, teacher, reward_model
+        self.frozen = [g for g in (teacher, reward_model) if g is not None]  # groups that only score
         # generation.lora_refit: "adapter" sends the LoRA adapters only, to engines serving them on their base
         # weights (generation/lora_serving.py); "merged" streams every weight through the transport
         self.lora_refit = lora_refit
@@ -76,8 +84,8 @@ class Handover:
         """Colocated: the engine measures free device memory when it starts, so the trainer must be out first."""
         if self.colocated:
             self.policy.offload()
-            if self.teacher is not None:
-                self.teacher.offload()
+            for group in self.frozen:
+                group.offload()
 
     def connect(self, host: str | None, workers_per_engine: int) -> None:
         """Colocated: route the refit by device (`weights/routing.py`: the policy rank on each engine worker's
@@ -99,10 +107,34 @@ class Handover:
     def check_engine_started(self) -> None:
         if self.colocated and self.policy.state() != OFFLOADED:
             raise LifecycleError("the generator started while the trainer held the device")
-        if self.colocated and self.teacher is not None and self.teacher.state() != OFFLOADED:
-            raise LifecycleError("the generator started while the distillation teacher held the device")
+        for group in self.frozen if self.colocated else ():
+            if group.state() != OFFLOADED:
+                raise LifecycleError(f"the generator started while the {group.role} held the device")
         if self.generator.state != AWAKE:
             raise LifecycleError(f"the generator started {self.generator.state}, expected {AWAKE}")
+
+    @contextmanager
+    def frozen_turn(self, group):
+        """Colocated: `group` (the reward model) holds the device for the body, inside the generator's turn: the engine
+        sleeps keeping its weights, `group` onloads; afterwards it offloads and the engine wakes (module doc).
+        Disaggregated: the body runs as it is (the group stays resident on the policy's devices)."""
+        if not self.colocated:
+            yield
+            return
+        if self.trainer_holds_device or self.teacher_holds_device:
+            raise LifecycleError(f"the {group.role} scores inside the generator's turn: the engine must hold the device")
+
+        def out():
+            self.generator.sleep(1)
+            group.onload()
+        self._timed(out)
+        try:
+            yield
+        finally:
+            def back():
+                group.offload()
+                self.generator.wake_up()
+            self._timed(back)
 
     def to_teacher(self) -> None:
         """Colocated: the engine sleeps and the teacher's weights come back, to score a rollout. From the generator's

@@ -37,7 +37,7 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
                                  expected_version=version)
         texts = [tokenizer.decode(t) for t in res.token_ids]
         t0 = time.perf_counter()
-        rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts)
+        rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts, token_ids=res.token_ids)
         totals["reward_s"] += time.perf_counter() - t0
         answers = rstats.get("answers") or [None] * len(texts)  # what the verifier read, for samples.jsonl
         if cfg.reward.overlong_buffer_len > 0:  # DAPO soft overlong punishment, before advantages see the rewards

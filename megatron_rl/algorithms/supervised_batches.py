@@ -15,6 +15,7 @@ import random
 import torch
 
 from megatron_rl.data.supervised import PairExample, SFTExample
+from megatron_rl.models.value_head import scored_sequence
 from megatron_rl.policy.interface import RolloutBatch
 
 
@@ -76,25 +77,9 @@ def pair_batch(pairs: list[PairExample]) -> RolloutBatch:
     return RolloutBatch(input_ids=ids, prompt_lens=plens, group_ids=groups, seq_roles=roles, keep_groups=True)
 
 
-# the token a reward model's sequences end with (`rm_pair_batch`): any id does, none is ever attended
-RM_SCORE_TOKEN = 0
-
-
 def rm_pair_batch(pairs: list[PairExample], pad_id: int | None = None) -> RolloutBatch:
-    """`pair_batch` scored where transformers' ForSequenceClassification scores a row: at its last token that is not
-    the pad token (`pad_id`, the exported config's pad_token_id; where a model pads with its EOS, that is the token
-    before a response's final EOS). Each sequence loses its trailing pad tokens and gains one token: a value model's
-    per-token outputs sit where a policy's logprobs do, at the position that predicts each response token, so the
-    appended token's is the value at the scored position. Causal attention keeps that position blind to the appended
-    token, so its id does not matter."""
+    """`pair_batch` scored where transformers' ForSequenceClassification scores a row (`value_head.scored_sequence`:
+    at its last token that is not `pad_id`, the exported config's pad_token_id)."""
     batch = pair_batch(pairs)
-    ids = []
-    for seq, p in zip(batch.input_ids, batch.prompt_lens):
-        end = len(seq)
-        # the prompt stays whole (a pair's two rows share it): a response of pad tokens only is scored at the
-        # prompt's last token, as transformers does unless the prompt itself ends with the pad token
-        while end > p and pad_id is not None and seq[end - 1] == pad_id:
-            end -= 1
-        ids.append(seq[:end] + [RM_SCORE_TOKEN])
-    batch.input_ids = ids
+    batch.input_ids = [scored_sequence(seq, p, pad_id) for seq, p in zip(batch.input_ids, batch.prompt_lens)]
     return batch

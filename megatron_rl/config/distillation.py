@@ -76,6 +76,27 @@ def validate_distillation(cfg: Config) -> None:
                           "teacher runs one rank on each of the policy's devices)")
 
 
+def check_frozen_split(section: str, key: str, path: str, tp: int, pp: int, what: str) -> dict:
+    """A frozen scorer's (teacher's, reward model's) split `section`.tp/pp against its own config.json (the policy's
+    rules, `parallel_dims.check_policy_split`); returns that config."""
+    from megatron_rl.distributed.parallel_dims import check_policy_split
+
+    cfg_file = teacher_hf_dir(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{key}={path}: no config.json in {cfg_file.parent} (an HF folder or a megatron-rl "
+                          "checkpoint directory)")
+    hf = json.loads(cfg_file.read_text())
+    if hf.get("num_experts") or hf.get("num_local_experts"):
+        raise ConfigError(f"{key}={path}: mixture-of-experts {what}s are not supported yet ({cfg_file})")
+    heads = hf.get("num_attention_heads")
+    try:
+        check_policy_split(tp=tp, pp=pp, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
+                           layers=hf.get("num_hidden_layers"), ffn=hf.get("intermediate_size"))
+    except ValueError as e:
+        raise ConfigError(f"{str(e).replace('policy.', section + '.')} of the {what} ({cfg_file})") from None
+    return hf
+
+
 def validate_teacher_model(cfg: Config) -> None:
     """The teacher's split against its own shape (the policy's rules, `parallel_dims.check_policy_split`)."""
     from megatron_rl.distributed.parallel_dims import check_policy_split
@@ -83,20 +104,7 @@ def validate_teacher_model(cfg: Config) -> None:
     d = cfg.distillation
     if d is None:
         return
-    cfg_file = teacher_hf_dir(d.teacher) / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"distillation.teacher={d.teacher}: no config.json in {cfg_file.parent} (an HF folder or a "
-                          "megatron-rl checkpoint directory)")
-    hf = json.loads(cfg_file.read_text())
-    if hf.get("num_experts") or hf.get("num_local_experts"):
-        raise ConfigError(f"distillation.teacher={d.teacher}: mixture-of-experts teachers are not supported yet "
-                          f"({cfg_file})")
-    heads = hf.get("num_attention_heads")
-    try:
-        check_policy_split(tp=d.tp, pp=d.pp, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-                           layers=hf.get("num_hidden_layers"), ffn=hf.get("intermediate_size"))
-    except ValueError as e:
-        raise ConfigError(f"{str(e).replace('policy.', 'distillation.')} of the teacher ({cfg_file})") from None
+    hf = check_frozen_split("distillation", "distillation.teacher", d.teacher, d.tp, d.pp, "teacher")
     if d.topk > hf.get("vocab_size", d.topk):
         raise ConfigError(f"distillation.topk={d.topk} is more than the teacher's vocab_size {hf['vocab_size']}")
     ckpt = teacher_checkpoint(d.teacher)
@@ -111,43 +119,51 @@ def validate_teacher_model(cfg: Config) -> None:
 def check_teacher_vocab(cfg: Config, student_tok) -> None:
     """One line naming both models when their tokenizers map tokens to ids differently (module doc); also every
     student id must index a row of the teacher's embedding."""
+    if cfg.distillation is not None:
+        check_shared_vocab(cfg, student_tok, "distillation.teacher", cfg.distillation.teacher,
+                           "the teacher must score the student's token ids")
+
+
+def check_shared_vocab(cfg: Config, student_tok, key: str, path: str, why: str) -> None:
+    """A frozen scorer at `path` (config key `key`: a teacher, a reward model) reads the policy's token ids: the same
+    token-to-id map, and an embedding row for every id, else one line naming both models and `why`."""
     from megatron_rl.data.tokenizer import tokenizer_for
 
-    d = cfg.distillation
-    if d is None:
-        return
-    hf_dir = teacher_hf_dir(d.teacher)
+    hf_dir = teacher_hf_dir(path)
     try:
-        teacher_tok = tokenizer_for(hf_dir)
+        other_tok = tokenizer_for(hf_dir)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"distillation.teacher={d.teacher}: cannot load its tokenizer: {e}") from None
+        raise ConfigError(f"{key}={path}: cannot load its tokenizer: {e}") from None
     student = f"policy.model={cfg.policy.model}" + (f" (tokenizer {cfg.policy.tokenizer})" if cfg.policy.tokenizer
                                                      else "")
-    sv, tv = student_tok.vocabulary(), teacher_tok.vocabulary()
+    sv, tv = student_tok.vocabulary(), other_tok.vocabulary()
     if sv != tv:
         differ = sorted(k for k in set(sv) | set(tv) if sv.get(k) != tv.get(k))
-        raise ConfigError(f"distillation.teacher={d.teacher} and {student} do not share a tokenizer vocabulary "
-                          f"({len(tv)} vs {len(sv)} tokens, {len(differ)} differ, e.g. {differ[0]!r}): the teacher "
-                          "must score the student's token ids")
+        raise ConfigError(f"{key}={path} and {student} do not share a tokenizer vocabulary "
+                          f"({len(tv)} vs {len(sv)} tokens, {len(differ)} differ, e.g. {differ[0]!r}): {why}")
     hf = json.loads((hf_dir / "config.json").read_text())
     if hf.get("vocab_size", 0) < student_tok.vocab_size:
-        raise ConfigError(f"distillation.teacher={d.teacher}: its vocab_size {hf.get('vocab_size')} is smaller than "
-                          f"the student's tokenizer ({student_tok.vocab_size} tokens, {student})")
+        raise ConfigError(f"{key}={path}: its vocab_size {hf.get('vocab_size')} is smaller than "
+                          f"the policy's tokenizer ({student_tok.vocab_size} tokens, {student})")
 
 
 def check_teacher_family(cfg: Config) -> None:
     """The teacher is built by the megatron backend's model code (policy/teacher_worker.py) whatever
     `policy.backend` is, so its family must be one that code represents (an fsdp2 student may be of another)."""
+    d = cfg.distillation
+    if d is not None:
+        check_megatron_family("distillation.teacher", d.teacher, "the teacher")
+
+
+def check_megatron_family(key: str, path: str, what: str) -> None:
+    """A frozen scorer's family must be one the megatron backend builds (it runs there whatever policy.backend is)."""
     from megatron_rl.models.provider import UnsupportedModelError, model_spec
 
-    d = cfg.distillation
-    if d is None:
-        return
     try:
-        model_spec(teacher_hf_dir(d.teacher))
+        model_spec(teacher_hf_dir(path))
     except UnsupportedModelError as e:
-        raise ConfigError(f"distillation.teacher={d.teacher}: {e} (the teacher runs on the megatron backend, "
-                          "whatever policy.backend is)") from None
+        raise ConfigError(f"{key}={path}: {e} ({what} runs on the megatron backend, whatever policy.backend is)") \
+            from None
 
 
 def teacher_policy_config(cfg: Config) -> PolicyConfig:

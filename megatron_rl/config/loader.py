@@ -272,10 +272,12 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     _validate_environment(cfg)
     # these modules import this one's ConfigError
     from megatron_rl.config.distillation import validate_distillation
+    from megatron_rl.config.reward_model import validate_reward_model
     from megatron_rl.config.supervised_rules import validate_supervised
 
     validate_supervised(cfg)
     validate_distillation(cfg)
+    validate_reward_model(cfg)
     if check_model:
         validate_against_model(cfg)
     return cfg
@@ -438,9 +440,12 @@ def validate_against_model(cfg: Config) -> None:
             _check_lora_targets(cfg, model_dir, hf)
         except ValueError as e:
             raise ConfigError(f"{e} (model: {cfg_file})") from None
-    from megatron_rl.config.distillation import validate_teacher_model
+    from megatron_rl.config.distillation import check_frozen_split, validate_teacher_model
 
     validate_teacher_model(cfg)
+    m = cfg.reward.model
+    if m is not None:
+        check_frozen_split("reward.model", "reward.model.path", m.path, m.tp, m.pp, "reward model")
 
 
 def _check_lora_targets(cfg: Config, model_dir: Path, hf: dict) -> None:

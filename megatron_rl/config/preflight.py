@@ -304,6 +304,12 @@ def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = Non
 
         check_teacher_vocab(cfg, tok)  # the teacher scores the student's ids: one vocabulary
         check_teacher_family(cfg)  # a megatron model, also under an fsdp2 student of a family megatron lacks
+    if cfg.reward.model is not None:  # the same two rules for a reward model (config/reward_model.py)
+        from megatron_rl.config.distillation import check_megatron_family, check_shared_vocab
+
+        m = cfg.reward.model
+        check_shared_vocab(cfg, tok, "reward.model.path", m.path, "the reward model scores the policy's token ids")
+        check_megatron_family("reward.model.path", m.path, "the reward model")
     if generator:
         check_context(cfg, spec, label)
         warn_answer_format(cfg)

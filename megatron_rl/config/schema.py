@@ -345,8 +345,29 @@ class DataConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A trained reward model as the reward (docs/algorithms.md): a frozen group of megatron ranks (the distillation
+    teacher's shape, its turn on the devices when colocated) scores each prompt + completion at its last non-pad
+    token, as transformers' ...ForSequenceClassification scores it. reward = the verifier's (reward.kind other than
+    model) + weight x the model's score, after normalisation and clipping."""
+    # an HF folder of a ...ForSequenceClassification export (`megatron-rl rm`, then convert megatron-to-hf), or a
+    # megatron-rl reward-model checkpoint (a `step_N`); it must share the policy's tokenizer vocabulary
+    path: str = ""
+    tp: int = 1  # its own split; tp x pp must divide the policy's world size (one rank on each policy device)
+    pp: int = 1
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: policy.precision
+    weight: float = 1.0
+    # the step's scores standardised (minus their mean, over their std) before the weight: the scale of a
+    # Bradley-Terry model's scores is arbitrary; advantages are group-normalised anyway unless grpo.advantage says not
+    normalize: bool = False
+    clip: Optional[float] = None  # scores clipped to [-clip, clip] (after normalising); None: no clipping
+
+
+@dataclass
 class RewardConfig:
-    kind: Literal["auto", "reasoning_gym", "math"] = "auto"  # auto: reasoning_gym for rg tasks, math for jsonl/hf
+    # auto: reasoning_gym for rg tasks, math for jsonl/hf. model: the reward model (reward.model) alone
+    kind: Literal["auto", "reasoning_gym", "math", "model"] = "auto"
+    model: Optional[RewardModelConfig] = None  # a reward model's score, alone (kind: model) or added to the verifier
     answer_format: Literal["answer_tag", "boxed", "auto"] = "auto"
     format_reward: float = 0.0  # bonus for a well-formed answer even when wrong
     timeout_s: float = 5.0

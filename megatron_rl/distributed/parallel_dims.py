@@ -101,7 +101,9 @@ class DeviceLayout:
     policy: ParallelDims
     gen_tp: int
     gen_dp: int  # engines
-    teacher: bool = False  # a distillation teacher's ranks share the policy's bundles (config.distillation)
+    # a frozen scorer's ranks share the policy's bundles: a distillation teacher (config.distillation) or a reward
+    # model (config reward.model); the loader allows one of them at a time
+    teacher: bool = False
 
     @property
     def engines(self) -> list[list[int]]:
@@ -198,7 +200,8 @@ def layout_of(cfg) -> DeviceLayout:
     c, p, g = cfg.cluster, cfg.policy, cfg.generation
     return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
                          gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep,
-                         teacher=getattr(cfg, "distillation", None) is not None)
+                         teacher=getattr(cfg, "distillation", None) is not None
+                         or getattr(getattr(cfg, "reward", None), "model", None) is not None)
 
 
 def check_policy_split(*, tp: int, pp: int, heads: int, kv_heads: int, layers: int, ffn: int | None) -> None:

@@ -205,6 +205,8 @@ def model_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
     cfg, label = load_hf_config(hf_config)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch and arch.endswith("ForSequenceClassification"):  # a reward model's export (models/value_head.py): the
+        arch = arch.replace("ForSequenceClassification", "ForCausalLM")  # same decoder under another head
     model_type = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES or model_type not in SUPPORTED_ARCHITECTURES[arch]:
         raise UnsupportedModelError(

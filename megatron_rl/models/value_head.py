@@ -12,6 +12,8 @@ the unused lm_head weight is frozen.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -59,6 +61,53 @@ def install_value_head(gpt, seed: int = 0, std: float = 0.02) -> ValueHead | Non
 
 # transformers' name of the head in ...ForSequenceClassification
 HF_SCORE = "score.weight"
+
+
+class ValueModelWeights(Mapping):
+    """An HF folder's tensors as a value model loads them (`forward_pass.build_loaded_model`): a causal LM's, whose
+    lm_head the frozen output layer takes and whose head stays as initialised, or a ...ForSequenceClassification
+    export's, which has no lm_head (the frozen, unused output layer gets zeros) and whose `score` is the head."""
+
+    def __init__(self, hf_state: Mapping, vocab_size: int, hidden: int):
+        self.hf, self.vocab_size, self.hidden = hf_state, vocab_size, hidden
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight" and name not in self.hf:
+            return torch.zeros(self.vocab_size, self.hidden)
+        return self.hf[name]
+
+    def __iter__(self):
+        return iter(self.hf)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+# the token a value model's scored sequences end with (`scored_sequence`): any id does, none is ever attended
+SCORE_TOKEN = 0
+
+
+def scored_sequence(ids: list[int], prompt_len: int, pad_id: int | None) -> list[int]:
+    """`ids` (prompt + response) as a value model's worker scores it, so that the last per-token value is the score
+    transformers' ForSequenceClassification gives the row: at its last token that is not the pad token (where a model
+    pads with its EOS, the token before a response's final EOS). Trailing pad tokens are dropped (never into the
+    prompt: a response of pad tokens only is scored at the prompt's last token) and one token appended: a value
+    model's per-token outputs sit where a policy's logprobs do, at the position that predicts each response token, so
+    the appended token's is the value at the scored position, which causal attention keeps blind to it."""
+    end = len(ids)
+    while end > prompt_len and pad_id is not None and ids[end - 1] == pad_id:
+        end -= 1
+    return list(ids[:end]) + [SCORE_TOKEN]
+
+
+def load_value_head(gpt, hf_state: Mapping) -> bool:
+    """The head's weight from an export's `score.weight` (True), or left as initialised (False, a causal LM)."""
+    head = getattr(gpt, "value_head", None)
+    if head is None or HF_SCORE not in hf_state:
+        return False
+    with torch.no_grad():
+        head.score.weight.copy_(hf_state[HF_SCORE].to(head.score.weight.dtype).reshape(head.score.weight.shape))
+    return True
 
 
 def value_model_hf_tensors(gpt, tensors):

@@ -65,6 +65,10 @@ def build_loaded_model(cfg: PolicyConfig, device: torch.device, *, checkpoint: s
     # no random init: the loaded weights overwrite every parameter right after (build_model still tags the
     # tensor-parallel weights, which grad-norm and clipping rely on)
     gpt = build_model(hf_config, params_dtype=dtype, seed=cfg.seed, init_weights=False, **build_kw)
+    if getattr(cfg, "value_head", False):  # a reward model / critic: its head before the weights (a checkpoint or an
+        from megatron_rl.models.value_head import install_value_head  # export holds it)
+
+        install_value_head(gpt, cfg.seed, hf_config.get("initializer_range", 0.02))
     gpt.to(device)
     if dtype != torch.float32:
         # megatron's local spec builds its norm weights in fp32 whatever params_dtype says (transformer-engine's
@@ -75,6 +79,12 @@ def build_loaded_model(cfg: PolicyConfig, device: torch.device, *, checkpoint: s
         from megatron_rl.models.checkpoint import load_checkpoint
 
         load_checkpoint(str(checkpoint), gpt)
+    elif getattr(cfg, "value_head", False):
+        from megatron_rl.models.value_head import ValueModelWeights, load_value_head
+
+        hf = HFCheckpoint(model_dir)
+        load_hf_into_model(gpt, ValueModelWeights(hf, hf_config["vocab_size"], hf_config["hidden_size"]))
+        load_value_head(gpt, hf)
     else:
         load_hf_into_model(gpt, HFCheckpoint(model_dir))
     return gpt, model_dir, hf_config, dtype

@@ -79,10 +79,7 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
             cfg, self.device, recompute_granularity="full" if cfg.activation_recompute else None,
             recompute_method="uniform" if cfg.activation_recompute else None,
             recompute_num_layers=1 if cfg.activation_recompute else None, calculate_per_token_loss=True, **aux)
-        if cfg.value_head:  # a reward model / critic: the decoder scores every position (models/value_head.py)
-            from megatron_rl.models.value_head import install_value_head
-
-            install_value_head(gpt, cfg.seed, hf_config.get("initializer_range", 0.02))
+        # policy.value_head: build_loaded_model gave it a value head (a reward model / critic, models/value_head.py)
         # adapters (models/lora.py) before DDP: it must see the frozen base to give it no gradient buffers
         self.lora = install_lora(gpt, cfg.lora, hf_config, cfg.seed) if cfg.lora is not None else None
         self._setup_forward(gpt)  # policy/forward_pass.py: the hooks and coordinates the teacher shares

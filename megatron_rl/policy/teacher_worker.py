@@ -89,16 +89,21 @@ class TeacherWorker(ForwardPass, Residency, RankWorker):
 
 
 class TeacherGroup(LifecycleCalls):
-    """Driver side of the teacher ranks (as `policy.group.PolicyGroup` is of the policy's)."""
+    """Driver side of the teacher ranks (as `policy.group.PolicyGroup` is of the policy's); a reward model's ranks are
+    the same group with a value head (their "logprobs" are per-token values)."""
 
     role = "teacher"
+
+    def __init__(self, group, role: str = "teacher"):
+        self.role = role
+        super().__init__(group)
 
     def logprobs(self, batch: RolloutBatch, temperature: float = 1.0) -> list[torch.Tensor]:
         import ray
 
         from megatron_rl.policy.group import _merge
 
-        return _merge(self.group.call("logprobs", ray.put(batch), temperature), len(batch), "teacher logprobs")
+        return _merge(self.group.call("logprobs", ray.put(batch), temperature), len(batch), f"{self.role} logprobs")
 
     def topk_logprobs(self, batch: RolloutBatch, k: int, temperature: float = 1.0):
         """(ids, logprobs) per sequence, each [response tokens, k] (`TeacherWorker.topk_logprobs`)."""

@@ -51,10 +51,12 @@ class RewardFn:
             p.update(task=meta["task"], task_params=meta.get("task_params", {}), entry=meta["entry"])
         return p
 
-    def score(self, items: Sequence[Any], completions: Sequence[str]) -> tuple[list[float], dict[str, Any]]:
+    def score(self, items: Sequence[Any], completions: Sequence[str],
+              token_ids: Sequence[Sequence[int]] | None = None) -> tuple[list[float], dict[str, Any]]:
         """Rewards for completions[i] answering items[i] (PromptItem), and counts: num_timeouts, num_errors,
         num_format_ok, num_no_answer, num_correct (score 1), num_pool_restarts. Reward = score in [0, 1] plus
-        reward.format_reward when the answer is well-formed; timeouts and errors get 0, bonus included."""
+        reward.format_reward when the answer is well-formed; timeouts and errors get 0, bonus included.
+        `token_ids` (the completions' tokens) are for a reward model (rewards/model_reward.py); a verifier reads text."""
         if len(items) != len(completions):
             raise ValueError(f"{len(items)} items but {len(completions)} completions")
         payloads = [self._payload(it, c) for it, c in zip(items, completions)]

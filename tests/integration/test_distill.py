@@ -36,7 +36,7 @@ SMALL = ["cluster.devices_per_node=2", "grpo.num_prompts_per_step=2", "grpo.num_
 class TextReward:
     """A deterministic pseudo-reward (a random tiny model never solves arithmetic)."""
 
-    def score(self, items, completions):
+    def score(self, items, completions, token_ids=None):
         return [(sum(map(ord, t)) % 7) / 6 for t in completions], {}
 
     def close(self):

@@ -364,7 +364,7 @@ def test_reward_faults_scored_zero_and_nonfinite_steps_skipped_then_abort(model,
         def __init__(self, cfg, kind):
             super().__init__(cfg, kind, scorer=faults_inject.flaky_score)
 
-        def score(self, items, completions):
+        def score(self, items, completions, token_ids=None):
             rewards, stats = super().score(items, completions)
             scored.append((list(completions), list(rewards), dict(stats)))
             return rewards, stats

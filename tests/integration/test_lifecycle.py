@@ -31,7 +31,7 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 class TextReward:
     """A deterministic pseudo-reward of the completion text: samples differ, so groups carry a gradient."""
 
-    def score(self, items, completions):
+    def score(self, items, completions, token_ids=None):
         return [(sum(map(ord, t)) % 7) / 6 for t in completions], {}
 
     def close(self):
@@ -39,7 +39,7 @@ class TextReward:
 
 
 class ConstantReward(TextReward):
-    def score(self, items, completions):
+    def score(self, items, completions, token_ids=None):
         return [0.0] * len(completions), {}
 
 
