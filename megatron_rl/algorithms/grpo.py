@@ -55,9 +55,13 @@ def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> di
                       max_tokens=g.max_new_tokens, version=c.handover.version, keep=cfg.logging.samples_per_step,
                       **episodes)
     tracker.log_samples(step, "val", [{**r, "step": step} for r in greedy.get("samples", [])])
-    out = {"val_accuracy": greedy["val_accuracy"], "val_num_prompts": greedy["val_num_prompts"]}
+    # a reward model alone (reward.kind model) defines no correct answer: its held-out mean score instead of accuracy
+    model_only = cfg.reward.kind == "model"
+    out = {"val_num_prompts": greedy["val_num_prompts"]}
+    if not model_only:
+        out["val_accuracy"] = greedy["val_accuracy"]
     out.update({k: greedy[k] for k in ("val_reward_mean", "val_rm_score_mean") if k in greedy})
-    if cfg.grpo.val_pass_k > 0:
+    if cfg.grpo.val_pass_k > 0 and not model_only:
         sampled = evaluate(c.generator, c.val_items, c.reward_fn, c.tokenizer, n=cfg.grpo.val_pass_k,
                            temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_new_tokens,
                            version=c.handover.version,
@@ -243,7 +247,11 @@ class GRPO(Algorithm):
         base = _validate(self.cfg, self.c, self.t_start, 0, tracker)
         tracker.log_validation(0, base)
         passk = f", pass@{self.cfg.grpo.val_pass_k} {base['val_pass_at_k']:.3f}" if "val_pass_at_k" in base else ""
-        print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
+        if "val_accuracy" in base:
+            print(f"[megatron-rl] step 0 validation: greedy accuracy {base['val_accuracy']:.3f}{passk}", flush=True)
+        else:  # reward.kind model
+            print(f"[megatron-rl] step 0 validation: held-out reward-model score {base['val_rm_score_mean']:.3f}",
+                  flush=True)
 
     def save(self, step: int) -> None:
         _save(self.cfg, self.c, checkpoint_root(self.cfg), step,
@@ -309,6 +317,9 @@ def _summary(cfg: Config, tracker: Tracker, out: Path) -> None:
         return
     vals = [r for r in h if r.get("val_accuracy") is not None]
     print(f"[megatron-rl] done: {trend_line('reward_mean', steps, '.3f')}")
+    rm_vals = [r for r in h if r.get("val_rm_score_mean") is not None]
+    if rm_vals and not vals:  # reward.kind model
+        print(f"[megatron-rl] {validation_line('held-out reward-model score', rm_vals, 'val_rm_score_mean', '.3f')}")
     if vals:
         best = max(vals, key=lambda r: r["val_accuracy"])
         n = vals[-1].get("val_num_prompts")

@@ -20,7 +20,7 @@ from megatron_rl.paths import read_metrics
 
 # (title, keys) per panel; missing keys are skipped
 PLOTS = [
-    ("reward", ["reward_mean", "val_accuracy", "val_pass_at_k"]),
+    ("reward", ["reward_mean", "val_accuracy", "val_pass_at_k", "val_rm_score_mean"]),
     ("generator / trainer mismatch", ["token_mult_prob_error"]),
     ("response length (tokens)", ["response_len_mean"]),
     ("seconds per step", ["time_generate_s", "time_logprobs_s", "time_train_s", "time_refit_s", "time_step_s"]),
@@ -113,8 +113,8 @@ class Tracker:
             post = {"reward": f"{rec.get('reward_mean', 0):.3f}", "s/step": f"{rec.get('time_step_s', 0):.1f}"}
             if "reward_mean" not in rec and rec.get("loss") is not None:  # SFT / DPO: no reward, a loss
                 post = {"loss": f"{rec['loss']:.4f}", "s/step": f"{rec.get('time_step_s', 0):.1f}"}
-            if rec.get("val_accuracy") is not None:
-                post["val"] = f"{rec['val_accuracy']:.3f}"
+            if rec.get("val_accuracy", rec.get("val_rm_score_mean")) is not None:
+                post["val"] = f"{rec.get('val_accuracy', rec.get('val_rm_score_mean')):.3f}"
             self.bar.set_postfix(post)
             self.bar.update(1)
         if self.plots and step % self.plot_every == 0:

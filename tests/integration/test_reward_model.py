@@ -102,6 +102,7 @@ def test_grpo_steps_train_on_its_scores(parts):
     tracker = Tracker(cfg.output.dir, resume_step=0, total_steps=2, tensorboard=False, plots=False, progress=False)
     vals = _validate(cfg, c, 0.0, 2, tracker)
     assert "val_rm_score_mean" in vals and "val_reward_mean" in vals
+    assert "val_accuracy" not in vals and "val_pass_at_k" not in vals  # no correct answer under a model's reward
     assert c.reward_model.state() == OFFLOADED and c.generator.state == AWAKE
 
 
