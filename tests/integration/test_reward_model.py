@@ -9,6 +9,7 @@ write one.
   ending in, and holding, the pad token);
 - GRPO steps train on its scores (normalised here), the step records their mean, and every part ends where a step
   leaves it; validation reports the held-out mean score;
+- a reward-model rank killed mid-step stops the driver with a WorkerDiedError naming it, within seconds;
 - `megatron-rl train` with `reward.kind: model` runs a step through the CLI, and the eval command refuses the kind,
   naming the key.
 """
@@ -104,6 +105,26 @@ def test_grpo_steps_train_on_its_scores(parts):
     assert "val_rm_score_mean" in vals and "val_reward_mean" in vals
     assert "val_accuracy" not in vals and "val_pass_at_k" not in vals  # no correct answer under a model's reward
     assert c.reward_model.state() == OFFLOADED and c.generator.state == AWAKE
+
+
+def test_killed_reward_model_rank_fails_fast_and_named(parts):
+    """Last test on the shared parts: it kills a reward-model rank while steps run."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from megatron_rl.algorithms.loss_fn import GRPOLossFn
+    from megatron_rl.distributed.worker_group import WorkerDiedError
+
+    cfg, c, _ = parts
+    victim = c.reward_model.group.pids[1]
+    threading.Timer(3.0, os.kill, (victim, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"reward_model-1 \(rank 1 of reward_model\) died"):
+        for step in range(3, 40):  # steps take a few seconds here: the kill lands inside one of them
+            train_step(cfg, c, step, GRPOLossFn(cfg.grpo.loss))
+    assert time.monotonic() - t0 < 33
 
 
 def test_cli_run_with_a_reward_model_and_eval_refuses_the_kind(models, tmp_path):
