@@ -43,6 +43,11 @@ class RolloutBatch:
     # top-k distillation: per response token the teacher's k most likely next ids and their logprobs, [n, k] each
     teacher_topk_ids: Optional[list[torch.Tensor]] = None
     teacher_topk_logprobs: Optional[list[torch.Tensor]] = None
+    # More per-sequence fields, keyed by name, each handed to the loss as `LossInputs.fields[name]` over the
+    # micro-batch's response tokens: a number per sequence (repeated over its tokens) or a tensor per sequence of its
+    # response length. An algorithm adds its own (PPO's token advantages, returns, old values) here without editing
+    # this class, `subset` or either worker (policy/step_inputs.py gathers them)
+    fields: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -57,7 +62,8 @@ class RolloutBatch:
                             pick(self.group_ids), loss_mask=pick(self.loss_mask), keep_groups=self.keep_groups,
                             seq_roles=pick(self.seq_roles), teacher_logprobs=pick(self.teacher_logprobs),
                             teacher_topk_ids=pick(self.teacher_topk_ids),
-                            teacher_topk_logprobs=pick(self.teacher_topk_logprobs))
+                            teacher_topk_logprobs=pick(self.teacher_topk_logprobs),
+                            fields={k: pick(v) for k, v in self.fields.items()})
 
     def loss_normalizers(self) -> tuple[int, int]:
         """(response tokens, sequences) the loss divides by."""

@@ -12,7 +12,7 @@ global batch indices, in the order their tokens appear), with their `seq_groups`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -38,3 +38,5 @@ class LossInputs:
     # (differentiable) of the same ids; None otherwise
     teacher_topk_logprobs: Optional[torch.Tensor] = None
     student_topk_logprobs: Optional[torch.Tensor] = None
+    # RolloutBatch.fields, each [n] float over the micro-batch's response tokens (a per-sequence number repeated)
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)

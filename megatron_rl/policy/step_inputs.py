@@ -26,6 +26,14 @@ class StepFields:
         self.adv = torch.tensor(batch.advantages if batch.advantages is not None else [0.0] * len(batch),
                                 dtype=torch.float32)
         self.groups = torch.tensor(batch.group_ids, dtype=torch.long) if batch.group_ids is not None else None
+        lens = batch.response_lens()
+        for name, values in batch.fields.items():  # RolloutBatch.fields: one entry per sequence, tensors its length
+            if len(values) != len(batch):
+                raise ValueError(f"RolloutBatch.fields[{name!r}] has {len(values)} entries for {len(batch)} sequences")
+            bad = [i for i, (v, n) in enumerate(zip(values, lens)) if torch.is_tensor(v) and v.numel() != n]
+            if bad:
+                raise ValueError(f"RolloutBatch.fields[{name!r}][{bad[0]}] has {values[bad[0]].numel()} values for "
+                                 f"{lens[bad[0]]} response tokens")
         self.roles = torch.tensor(batch.seq_roles, dtype=torch.float32) if batch.seq_roles is not None else None
 
     def teacher_topk(self, mb: batching.MicroBatchRows, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -53,11 +61,21 @@ class StepFields:
             ref_logprobs=_to(batching.gather_field(batch.ref_logprobs, mb), dev),
             gen_logprobs=_to(batching.gather_field(batch.gen_logprobs, mb), dev),
             teacher_logprobs=_to(batching.gather_field(batch.teacher_logprobs, mb), dev),
+            fields={k: self._field(v, mb).to(dev) for k, v in batch.fields.items()},
             **(extra or {}),
             num_global_tokens=float(self.n_tokens), num_global_seqs=float(self.n_seqs),
             seqs=torch.tensor(mb.indices, dtype=torch.long, device=dev),
             seq_groups=_to(self.groups[mb.indices] if self.groups is not None else None, dev),
             seq_roles=_to(self.roles[mb.indices] if self.roles is not None else None, dev))
+
+    @staticmethod
+    def _field(values: list, mb: batching.MicroBatchRows) -> torch.Tensor:
+        """One RolloutBatch.fields entry over the micro-batch's response tokens (`batching.flat` order): per-token
+        tensors as they are, a per-sequence number repeated over its sequence's tokens."""
+        if any(torch.is_tensor(values[i]) for i in mb.indices):
+            return batching.gather_field(values, mb)
+        return torch.cat([torch.full((n,), float(values[i])) for i, n in zip(mb.indices, mb.resp_lens)]
+                         or [torch.zeros(0)])
 
 
 def reduced_metrics(loss: torch.Tensor, metrics: dict, mb: batching.MicroBatchRows) -> dict[str, torch.Tensor]:
