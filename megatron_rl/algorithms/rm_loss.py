@@ -60,4 +60,8 @@ class RMLossFn:
             raise ValueError("the reward-model loss needs pair group ids and roles (supervised_batches.rm_pair_batch)")
         rewards = last_token_values(inp.logprobs, inp.seq_ids, inp.seqs)
         c, r = pair_positions(inp.seqs, inp.seq_groups, inp.seq_roles)
-        return bradley_terry(rewards[c], rewards[r], num_pairs=inp.num_global_seqs / 2, center_coef=self.center_coef)
+        # the data's per-pair margins (TRL's `margin` column; supervised_batches.rm_pair_batch), if any
+        margin = inp.fields.get("margin")
+        margin = last_token_values(margin, inp.seq_ids, inp.seqs)[c] if margin is not None else None
+        return bradley_terry(rewards[c], rewards[r], num_pairs=inp.num_global_seqs / 2, margin=margin,
+                             center_coef=self.center_coef)

@@ -82,4 +82,6 @@ def rm_pair_batch(pairs: list[PairExample], pad_id: int | None = None) -> Rollou
     at its last token that is not `pad_id`, the exported config's pad_token_id)."""
     batch = pair_batch(pairs)
     batch.input_ids = [scored_sequence(seq, p, pad_id) for seq, p in zip(batch.input_ids, batch.prompt_lens)]
+    if any(p.margin is not None for p in pairs):  # the pair's margin on both its sequences (a line without: 0)
+        batch.fields["margin"] = [p.margin or 0.0 for p in pairs for _ in range(2)]
     return batch

@@ -127,4 +127,6 @@ def batch_inputs(batch, logprobs: list[torch.Tensor], ref_logprobs: list[torch.T
         ref_logprobs=torch.cat([t.float() for t in ref_logprobs]) if ref_logprobs is not None else None,
         num_global_tokens=float(n_tokens), num_global_seqs=float(n_seqs), seqs=torch.arange(len(batch)),
         seq_groups=torch.tensor(batch.group_ids) if batch.group_ids is not None else None,
-        seq_roles=torch.tensor(batch.seq_roles, dtype=torch.float32) if batch.seq_roles is not None else None)
+        seq_roles=torch.tensor(batch.seq_roles, dtype=torch.float32) if batch.seq_roles is not None else None,
+        fields={k: torch.cat([x.reshape(-1).float() if torch.is_tensor(x) else torch.full((n,), float(x))
+                              for x, n in zip(v, lens)]) for k, v in batch.fields.items()})

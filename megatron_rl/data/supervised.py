@@ -39,6 +39,9 @@ class PairExample:
     chosen: tuple[int, ...]  # response tokens (EOS included)
     rejected: tuple[int, ...]
     line: int
+    # how far the chosen response should score above the rejected one (TRL's `margin` column; a reward model's loss
+    # reads it: -log sigmoid(r_c - r_r - margin)); None: the line has none
+    margin: float | None = None
 
 
 class _LineError(ValueError):
@@ -181,9 +184,14 @@ def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True
             chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
             longer = "chosen" if len(chosen) >= len(rejected) else "rejected"
             _checked_length(len(prompt) + max(len(chosen), len(rejected)), max_len, longer, key)
+            margin = obj.get("margin")
+            if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                       or margin != margin):
+                raise _LineError(f"field 'margin' must be a number, got {margin!r}")
         except _LineError as e:
             raise DataError(f"{p}:{lineno}: {e}") from None
-        out.append(PairExample(tuple(prompt), tuple(chosen), tuple(rejected), lineno))
+        out.append(PairExample(tuple(prompt), tuple(chosen), tuple(rejected), lineno,
+                               None if margin is None else float(margin)))
     if not out:
         raise DataError(f"{Path(path)}: no preference pairs")
     return out

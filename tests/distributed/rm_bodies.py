@@ -31,13 +31,15 @@ def pairs(vocab: int, n_pairs: int = 4, seed: int = 21) -> list[PairExample]:
         tok = lambda n: tuple(rng.randrange(1, vocab - 1) for _ in range(n))  # noqa: E731
         chosen = tok(rng.randint(2, 10)) + (pad,) * (k % 3)
         rejected = tok(2) + (pad,) + tok(rng.randint(1, 8)) + (pad,) * (k % 2)
-        out.append(PairExample(tok(rng.randint(3, 9)), chosen, rejected, k))
+        # TRL's per-pair margin on some lines (a line without one counts 0)
+        out.append(PairExample(tok(rng.randint(3, 9)), chosen, rejected, k, rng.uniform(0.2, 1.0) if k % 2 else None))
     return out
 
 
-def trl_reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, center: float) -> torch.Tensor:
-    """TRL RewardTrainer.compute_loss: -logsigmoid(r_c - r_r).mean() + coef * mean((r_c + r_r) ** 2)."""
-    return -F.logsigmoid(chosen - rejected).mean() + center * torch.mean((chosen + rejected) ** 2)
+def trl_reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, center: float,
+                    margin: torch.Tensor) -> torch.Tensor:
+    """TRL RewardTrainer.compute_loss: -logsigmoid(r_c - r_r - margin).mean() + coef * mean((r_c + r_r) ** 2)."""
+    return -F.logsigmoid(chosen - rejected - margin).mean() + center * torch.mean((chosen + rejected) ** 2)
 
 
 def hf_rm_reference(model_dir: str, examples: list[PairExample], score: torch.Tensor):
@@ -58,7 +60,8 @@ def hf_rm_reference(model_dir: str, examples: list[PairExample], score: torch.Te
 
     chosen = torch.stack([reward(e.prompt, e.chosen) for e in examples])
     rejected = torch.stack([reward(e.prompt, e.rejected) for e in examples])
-    loss = trl_reward_loss(chosen, rejected, CENTER)
+    margin = torch.tensor([e.margin or 0.0 for e in examples])
+    loss = trl_reward_loss(chosen, rejected, CENTER, margin)
     loss.backward()
     norm, state = _adamw_step(model)
     c, r = chosen.detach(), rejected.detach()

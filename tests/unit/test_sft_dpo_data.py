@@ -69,6 +69,25 @@ def test_pairs_share_the_prompt_in_one_group(tmp_path, tok, hf):
     assert hf.decode(b.input_ids[1][b.prompt_lens[1]:]) == "bad answer" + hf.eos_token
 
 
+def test_reward_model_pairs_carry_trls_margin_and_end_where_transformers_scores(tmp_path, tok, hf):
+    """A line's `margin` (TRL's column) reaches both sequences of its pair (0 on a line without one); each sequence
+    loses its trailing pad tokens and gains one score token (value_head.scored_sequence)."""
+    from megatron_rl.algorithms.supervised_batches import rm_pair_batch
+    from megatron_rl.models.value_head import SCORE_TOKEN
+
+    rows = [{"prompt": "Q1", "chosen": "good", "rejected": "bad", "margin": 0.5},
+            {"prompt": "Q2", "chosen": "yes", "rejected": "no"}]
+    pairs = read_pairs(write(tmp_path / "p.jsonl", rows), tok, 512)
+    assert [p.margin for p in pairs] == [0.5, None]
+    pad = hf.eos_token_id  # SmolLM2 pads with its EOS, which ends every response
+    b = rm_pair_batch(pairs, pad_id=pad)
+    assert b.fields["margin"] == [0.5, 0.5, 0.0, 0.0]
+    plain = pair_batch(pairs)
+    for got, want in zip(b.input_ids, plain.input_ids):
+        assert want[-1] == pad and got == want[:-1] + [SCORE_TOKEN]
+    assert "margin" not in rm_pair_batch(pairs[1:], pad_id=pad).fields
+
+
 @pytest.mark.parametrize("reader,row,field", [
     ("sft", {"prompt": "x"}, "missing field 'completion'"),
     ("sft", {"prompt": "x", "completion": "  "}, "field 'completion' is empty"),
@@ -83,6 +102,7 @@ def test_pairs_share_the_prompt_in_one_group(tmp_path, tok, hf):
      "field 'rejected': a completion's messages must all be assistant turns"),
     ("dpo", {"prompt": "x", "chosen": "a", "rejected": "long " * 300}, "field 'rejected': the example has"),
     ("dpo", "{not json", "invalid JSON"),
+    ("dpo", {"prompt": "x", "chosen": "a", "rejected": "b", "margin": "big"}, "field 'margin' must be a number"),
 ])
 def test_bad_line_is_named_with_file_line_and_field(tmp_path, tok, reader, row, field):
     good = {"prompt": "p", "completion": "c"} if reader == "sft" else {"prompt": "p", "chosen": "c", "rejected": "r"}

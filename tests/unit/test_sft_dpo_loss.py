@@ -149,3 +149,23 @@ def test_plan_keeps_each_pair_in_one_micro_batch(shared, varlen, dp):
         if shared:  # a pair that fits is one shared-prefix unit: its prompt is computed once
             assert all(len(u.members) == 2 for mb in plan for u in mb)
     assert sorted(seen) == list(range(len(ids)))
+
+
+def test_rm_loss_on_the_whole_batch_path_reads_each_pairs_margin():
+    """Validation's path (`batch_inputs`, one micro-batch of the whole batch): each sequence's reward is its last
+    value, and a pair's margin enters TRL's formula -log sigmoid(r_c - r_r - margin), written out here."""
+    import torch.nn.functional as F
+
+    from megatron_rl.algorithms.rm_loss import RMLossFn
+    from megatron_rl.algorithms.supervised_batches import rm_pair_batch
+    from megatron_rl.algorithms.supervised_loss import batch_inputs
+    from megatron_rl.data.supervised import PairExample
+
+    batch = rm_pair_batch([PairExample((1, 2), (3, 4), (5,), 0, 0.5), PairExample((1,), (3,), (6, 7), 1, None)])
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(n, generator=g) for n in batch.response_lens()]
+    loss, metrics = RMLossFn(None)(batch_inputs(batch, values))
+    rc, rr = torch.stack([values[0][-1], values[2][-1]]), torch.stack([values[1][-1], values[3][-1]])
+    want = -F.logsigmoid(rc - rr - torch.tensor([0.5, 0.0])).mean()
+    assert float(loss) == pytest.approx(float(want), rel=1e-6)
+    assert metrics["accuracy"] == pytest.approx(float((rc > rr).float().mean()))
