@@ -1,7 +1,9 @@
 """`RolloutBatch.fields`: an algorithm's own per-token and per-sequence fields reach its loss as `LossInputs.fields`
 on both backends, split over micro-batches and data-parallel ranks like the built-in fields: one step of a loss that
 reads them equals the same formula in plain torch on HF logprobs (megatron DP=2 in one and in several micro-batches,
-TP=2; fsdp2 DP=2). One launch for all layouts (fields_bodies.py)."""
+TP=2; fsdp2 DP=2). PPO's two losses ride on them: the policy's clipped surrogate with per-token advantages and the
+critic's clipped value loss, each against the paper's formula written out on transformers' models (fields_bodies.py:
+one launch for the fields, one for PPO)."""
 import pytest
 import torch
 
@@ -14,9 +16,44 @@ LAYOUTS = ["dp2", "dp2_small_mb", "tp2", "fsdp2_dp2"]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    model = write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", "qwen2", seed=7)
+def model(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", "qwen2", seed=7)
+
+
+@pytest.fixture(scope="module")
+def results(model):
     return run_distributed(fields_bodies.fields_layouts, 2, args=(str(model),), timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def ppo(model):
+    return run_distributed(fields_bodies.ppo_layouts, 2, args=(str(model),), timeout=600)[0]
+
+
+def _same_step(r, ref, what):
+    loss, norm, state = ref
+    assert r["metrics"]["loss"] == pytest.approx(loss, rel=1e-5), what
+    assert r["metrics"]["grad_norm"] == pytest.approx(norm, rel=1e-5), what
+    assert set(r["after"]) <= set(state), set(r["after"]) - set(state)
+    for k, v in r["after"].items():
+        torch.testing.assert_close(v, state[k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{what} {k}: {s}")
+
+
+@pytest.mark.parametrize("layout", ["dp2", "fsdp2_dp2"])
+def test_ppo_policy_loss_equals_the_clipped_surrogate_with_token_advantages(ppo, layout):
+    """algorithms/ppo_loss.PPOPolicyLossFn (per-token GAE advantages from RolloutBatch.fields, old logprobs that
+    put some ratios outside the clip) against PPO's clipped surrogate written out on HF logprobs."""
+    _same_step(ppo[("policy", layout)], ppo["policy_ref"], f"policy {layout}")
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "fsdp2_dp2"])
+def test_critic_value_loss_equals_ppo2s_clipped_value_loss(ppo, layout):
+    """algorithms/ppo_loss.ValueLossFn on a value model (the critic) against PPO2's clipped value loss written out on
+    transformers' sequence classifier, V_t from the hidden state before token t, its head the worker's initial one."""
+    r = ppo[("value", layout)]
+    _same_step(r, ppo["value_ref"], f"value {layout}")
+    assert "lm_head.weight" not in r["after"] and "score.weight" in r["after"]
+    assert 0.0 < r["metrics"]["value_clip_frac"] < 1.0  # the clip decided some tokens, not all
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
