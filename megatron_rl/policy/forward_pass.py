@@ -108,7 +108,7 @@ class ForwardPass:
         self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
         # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when); a value
         # model's output layer already returns its head's values (models/value_head.py)
-        self.value_model = getattr(gpt, "value_head", None) is not None or bool(getattr(cfg, "value_head", False))
+        self.value_model = cfg.value_head  # build_loaded_model installed the head (last stage)
         self._fused_head = install_fused_head(gpt, ps.get_tensor_model_parallel_rank()) \
             if cfg.fused_lm_head and not self.value_model else None
         self.narrow_logits = True  # benches switch it off to measure the full-sequence lm_head

@@ -75,6 +75,19 @@ def test_reward_model_takes_its_turn_and_scores_like_transformers(parts):
     prompts = [c.tokenizer.encode(t) for t in ("12 + 5 =", "Once upon a time", "Tell me")]
     responses = [c.tokenizer.encode(" 17") + [pad], c.tokenizer.encode(" there was") + [pad, pad],
                  c.tokenizer.encode(" a") + [pad] + c.tokenizer.encode(" story")]
+    # the turn's order: the engine asleep (its KV cache released), the reward model alone resident, the trainer out;
+    # after it the engine serves the same weights (a level-1 sleep keeps them: greedy tokens identical)
+    from megatron_rl.lifecycle import ASLEEP, RESIDENT
+
+    probe = [c.tokenizer.encode("12 + 5 =")]
+    before = c.generator.generate(probe, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=6,
+                                  expected_version=c.handover.version).token_ids
+    with c.handover.frozen_turn(c.reward_model):
+        assert c.generator.state == ASLEEP and c.reward_model.state() == RESIDENT
+        assert c.policy.state() == OFFLOADED
+    assert c.reward_model.state() == OFFLOADED and c.generator.state == AWAKE
+    assert c.generator.generate(probe, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=6,
+                                  expected_version=c.handover.version).token_ids == before
     got = c.reward_fn.raw_scores(prompts, responses)
     # its turn was a round trip inside the generator's: back as it was
     assert c.reward_model.state() == OFFLOADED and c.generator.state == AWAKE
