@@ -36,10 +36,11 @@ class Components:
     env_pool: object = None  # environments.runner.EnvironmentPool of a multi-turn run (environment.cls), else None
     teacher: object = None  # policy.teacher_worker.TeacherGroup of a distillation run (config.distillation), else None
     reward_model: object = None  # the same group shape scoring with a value head (config reward.model), else None
+    critic: object = None  # PPO's critic (algorithm ppo): a PolicyGroup of value-head ranks that trains, else None
 
     def shutdown(self) -> None:
         # vLLM first: Ray's shutdown otherwise leaks vLLM's /dev/shm segments (its broadcaster outlives a killed actor)
-        for part in (self.generator, self.policy, self.teacher, self.reward_model):
+        for part in (self.generator, self.policy, self.teacher, self.reward_model, self.critic):
             try:
                 if part is not None:
                     part.shutdown()
@@ -114,9 +115,11 @@ def start_cluster(cfg: Config, out_dir: Path, n_bundles: int):
     return placement, logs
 
 
-def start_ranks(cfg: Config, placement, logs: Path, sharing: int, share: float, max_steps: int):
+def start_ranks(cfg: Config, placement, logs: Path, sharing: int, share: float, max_steps: int, *,
+                role: str = "policy", policy_cfg=None):
     """The policy ranks on the placement's first bundles, set up: a PolicyGroup. CPU: each rank gets cores /
-    `sharing` threads; `share`: the fraction of a device each rank asks Ray for (colocated with a generator: half)."""
+    `sharing` threads; `share`: the fraction of a device each rank asks Ray for (colocated with a generator: half).
+    PPO's critic is the same group shape (`role` "critic", its own `policy_cfg`) on the same bundles."""
     from megatron_rl.distributed.parallel_dims import layout_of
     from megatron_rl.distributed.worker_group import WorkerGroup
     from megatron_rl.policy.group import PolicyGroup
@@ -125,10 +128,26 @@ def start_ranks(cfg: Config, placement, logs: Path, sharing: int, share: float, 
     world = layout_of(cfg).policy.world_size
     cores = os.cpu_count() or 1
     threads = None if get_platform().is_gpu else (cfg.policy.threads or max(1, cores // sharing))
-    group = WorkerGroup(policy_worker_class(cfg.policy.backend), placement, name="policy", world_size=world, share=share,
-                        log_dir=str(logs), threads=threads, master_addr=c.bind_host if c.num_nodes == 1 else None,
-                        init_kwargs=dict(policy_cfg=cfg.policy, max_steps=max_steps))
-    return PolicyGroup(group)
+    group = WorkerGroup(policy_worker_class(cfg.policy.backend), placement, name=role, world_size=world,
+                        bundle_indices=list(range(world)), share=share, log_dir=str(logs), threads=threads,
+                        master_addr=c.bind_host if c.num_nodes == 1 else None,
+                        init_kwargs=dict(policy_cfg=policy_cfg or cfg.policy, max_steps=max_steps))
+    ranks = PolicyGroup(group)
+    ranks.role = role
+    return ranks
+
+
+def start_critic(cfg: Config, placement, logs: Path, sharing: int, share: float):
+    """PPO's critic (config/ppo_rules.py): value-head ranks of the policy's backend and split on the policy's bundles,
+    set up from critic.model (a checkpoint's weights loaded after set-up)."""
+    from megatron_rl.config.ppo_rules import critic_checkpoint, critic_policy_config
+
+    critic = start_ranks(cfg, placement, logs, sharing, share, cfg.grpo.max_steps, role="critic",
+                         policy_cfg=critic_policy_config(cfg))
+    ckpt = critic_checkpoint(cfg)
+    if ckpt is not None:
+        critic.group.call("load_weights", str(ckpt))
+    return critic
 
 
 def start_policy(cfg: Config, out_dir: Path, n_bundles: int, sharing: int, share: float, max_steps: int):
@@ -289,12 +308,18 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
         reward_model = start_frozen(cfg, "reward model", reward_model_policy_config(cfg),
                                     reward_model_checkpoint(cfg.reward.model.path), placement, logs, sharing,
                                     layout.policy_share)
+    critic = None
+    if cfg.algorithm == "ppo":  # on the policy's bundles; trains in its own turn (Handover.to_critic)
+        say(t0, f"critic {cfg.critic.model or cfg.policy.model} (value head)")
+        if c.colocated:  # never resident with the trainer's state (the teacher's rule above)
+            policy.offload()
+        critic = start_critic(cfg, placement, logs, sharing, layout.policy_share)
     from megatron_rl.algorithms.handover import Handover
     from megatron_rl.buffers import BUCKET_BYTES
 
     handover = Handover(policy, None, colocated=c.colocated, bucket_bytes=BUCKET_BYTES,
                         sleep_level=cfg.generation.sleep_level, lora_refit=cfg.generation.lora_refit,
-                        teacher=teacher, reward_model=reward_model)
+                        teacher=teacher, reward_model=reward_model, critic=critic)
     # vLLM sizes its KV cache from the device memory free when it starts: a colocated trainer must be out by then
     handover.before_engine_start()
     say(t0, f"{len(gen_bundles)} vLLM engine(s) load the weights and size the KV cache")
@@ -309,7 +334,7 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
         reward_fn = ModelReward(reward_fn, reward_model, handover, cfg.reward.model)
     say(t0, "ready")
     return Components(policy, generator, tok, stream, val_items, reward_fn, placement, model_dir, handover, env_pool,
-                      teacher, reward_model)
+                      teacher, reward_model, critic)
 
 
 def evaluate_model(cfg: Config, model: str, *, n: int, num_prompts: int, temperature: float | None = None,
@@ -363,7 +388,7 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
     out = Path(cfg.output.dir)
     # before anything starts: the newest intact checkpoint, and a refusal if the config changed the run since
     point = resume_point(cfg, out, checkpoint_root(cfg))
-    supervised = cfg.algorithm != "grpo"
+    supervised = not cfg.samples_rollouts()
     data = None
     if supervised:  # SFT / DPO: every example read and checked first (their count sets the steps of an epoch)
         from megatron_rl.algorithms.supervised import load_data
@@ -381,7 +406,7 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
         print(f"[megatron-rl] already complete at step {point.step} ({point.checkpoint}); raise {key} "
               "to train further", flush=True)
         return 0
-    seed = getattr(cfg, cfg.algorithm).seed
+    seed = (cfg.grpo if not supervised else getattr(cfg, cfg.algorithm)).seed
     random.seed(seed)
     torch.manual_seed(seed)
     print(f"[megatron-rl] starting: output in {out.resolve()}", flush=True)
@@ -400,6 +425,10 @@ def run(cfg: Config, config_path: str | None = None, overrides: list[str] | None
             from megatron_rl.algorithms.trainer import run_loop
 
             return run_loop(cfg, c, point, Supervised(cfg, c, data, t_start))
+        if cfg.algorithm == "ppo":
+            from megatron_rl.algorithms.ppo import train_loop as ppo_loop
+
+            return ppo_loop(cfg, c, point, t_start=t_start)
         return train_loop(cfg, c, point, t_start=t_start)
     finally:
         c.shutdown()

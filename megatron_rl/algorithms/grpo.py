@@ -74,14 +74,19 @@ def _validate(cfg: Config, c, t_start: float, step: int, tracker: Tracker) -> di
 
 
 def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: SampledRollout | None = None,
-               before_refit=None, weights_step: int | None = None, samples: list | None = None) -> dict:
+               before_refit=None, weights_step: int | None = None, samples: list | None = None,
+               before_train=None) -> dict:
     """One GRPO step; returns the metrics record (without validation). `checkpoint()`, when given, runs while the
     trainer holds the device (after the refit, before the handover back to the generator). `samples`, when given,
     receives logging.samples_per_step of the step's completions (`samples.pick_train_samples`).
 
     Synchronous: the rollout is sampled here, from the weights of step `weights_step` (default step - 1). Async
     (`async_rollouts.RolloutPipeline`): the rollout comes sampled, and `before_refit()` joins the background sampling
-    of a later step before the engines' weights change."""
+    of a later step before the engines' weights change.
+
+    `before_train(batch, rollout, rec)`, when given, runs between the rollout and the policy's turn: PPO's critic turn
+    (algorithms/ppo.py), which puts per-token advantages on the batch; it returns False for a step that trains no
+    policy (the critic's warm-up): the policy and the engines' weights stay as they are."""
     T = cfg.generation.temperature
     t_step = time.perf_counter()
     if rollout is None:
@@ -131,12 +136,20 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
         else:
             batch.teacher_logprobs = c.teacher.logprobs(batch, T)
         rec["time_teacher_s"] = time.perf_counter() - t0
+    if before_train is not None and not before_train(batch, roll, rec):
+        rec.update(skipped=False, no_trainable_groups=False, policy_trained=False)
+        rec["time_wait_rollout_s"] = before_refit() if before_refit is not None else 0.0
+        if checkpoint is not None:
+            c.handover.to_trainer()
+            checkpoint()
+        return _finish(c, rec, t_step)
     c.handover.to_trainer()
     t0 = time.perf_counter()
     # async: the rollout's own logprobs are the behaviour policy's, not the current weights': recompute "old" ones
-    if cfg.grpo.recomputes_old_logprobs():
+    # (unless an earlier turn did: PPO's KL-in-reward pass)
+    if cfg.grpo.recomputes_old_logprobs() and batch.old_logprobs is None:
         batch.old_logprobs = c.policy.logprobs(batch, T)
-    if cfg.grpo.loss.kl_coef > 0:
+    if cfg.grpo.loss.kl_coef > 0 and batch.ref_logprobs is None:
         batch.ref_logprobs = c.policy.reference_logprobs(batch, T)
     time_logprobs = time.perf_counter() - t0
 
@@ -229,6 +242,7 @@ class GRPO(Algorithm):
         # distillation: the same loop and loss with the teacher's per-token advantage (algorithms/distill_loss.py)
         self.loss_fn = DistillLossFn(g.loss, cfg.distillation) if cfg.distillation is not None else GRPOLossFn(g.loss)
         self.pipeline = None
+        self.before_train = None  # a turn between the rollout and the policy's (PPO's critic)
         self.empty = 0
         self.samples: list[dict] = []
         self.warn = WarningGate()
@@ -266,11 +280,11 @@ class GRPO(Algorithm):
         return train_step(self.cfg, self.c, step, self.loss_fn, checkpoint=checkpoint,
                           rollout=p.take(step, self.weights_step) if p is not None else None,
                           before_refit=p.join if p is not None else None, weights_step=self.weights_step,
-                          samples=self.samples)
+                          samples=self.samples, before_train=self.before_train)
 
     def on_record(self, step: int, rec: dict, tracker: Tracker) -> None:
         tracker.log_samples(step, "train", self.samples)  # before any abort: the completions say why
-        if not rec["no_trainable_groups"]:
+        if not rec["no_trainable_groups"] and rec.get("policy_trained", True):
             self.weights_step = step
         self.warn(step_warnings(rec, self.cfg))
         self.empty = self.empty + 1 if rec["no_trainable_groups"] else 0

@@ -24,6 +24,17 @@ With a distillation teacher (`teacher`, policy/teacher_worker.py) a colocated st
 so the teacher's weights are resident only while it scores, alone on the device with the sleeping engine. Disaggregated,
 the teacher shares the policy's bundles and stays resident.
 
+PPO's critic (`critic`, algorithm ppo) trains, so it is a holder of the trainer's kind, with its own turn before the
+policy's in each step:
+
+    to_critic():    engine sleeps (or, from the trainer's turn, the trainer offloads) -> critic onloads; it scores
+                    the rollout's values, then trains on GAE's returns (algorithms/ppo.py)
+    to_trainer():   critic offloads -> trainer onloads, then as above
+
+The critic's weights and optimizer state are resident only in its turn, alone with the sleeping engine. With the KL
+in the reward (ppo.kl_in_reward) the policy's reference pass comes first (to_trainer, then to_critic, then to_trainer
+again: one more trainer move per step). Checkpoints visit the critic's turn to save it (`algorithms/ppo.py`).
+
 A reward model (`reward_model`, config reward.model) scores inside the generator's turn, after each generate call
 that needs rewards (dynamic sampling draws again; validation scores too), so its turn is a round trip
 (`frozen_turn`): the engine sleeps keeping its weights (level 1, whatever generation.sleep_level: it generates again
@@ -49,13 +60,16 @@ from megatron_rl.platform import get_platform
 
 class Handover:
     def __init__(self, policy, generator, *, colocated: bool, bucket_bytes: int, sleep_level: int,
-                 lora_refit: str = "merged", teacher=None, reward_model=None):
+                 lora_refit: str = "merged", teacher=None, reward_model=None, critic=None):
         self.policy, self.generator, self.teacher, self.reward_model = policy, generator, teacher, reward_model
+        self.critic = critic
         self.frozen = [g for g in (teacher, reward_model) if g is not None]  # groups that only score
+        self.side = self.frozen + ([critic] if critic is not None else [])  # every group beside the policy
         # generation.lora_refit: "adapter" sends the LoRA adapters only, to engines serving them on their base
         # weights (generation/lora_serving.py); "merged" streams every weight through the transport
         self.lora_refit = lora_refit
         self.teacher_holds_device = False  # colocated: between to_teacher() and to_trainer()
+        self.critic_holds_device = False  # colocated: between to_critic() and to_trainer()
         self.colocated = colocated
         self.sleep_level = sleep_level
         self._engine_has_weights = True  # False between a level-2 sleep and the next refit
@@ -84,7 +98,7 @@ class Handover:
         """Colocated: the engine measures free device memory when it starts, so the trainer must be out first."""
         if self.colocated:
             self.policy.offload()
-            for group in self.frozen:
+            for group in self.side:
                 group.offload()
 
     def connect(self, host: str | None, workers_per_engine: int) -> None:
@@ -107,7 +121,7 @@ class Handover:
     def check_engine_started(self) -> None:
         if self.colocated and self.policy.state() != OFFLOADED:
             raise LifecycleError("the generator started while the trainer held the device")
-        for group in self.frozen if self.colocated else ():
+        for group in self.side if self.colocated else ():
             if group.state() != OFFLOADED:
                 raise LifecycleError(f"the generator started while the {group.role} held the device")
         if self.generator.state != AWAKE:
@@ -121,7 +135,7 @@ class Handover:
         if not self.colocated:
             yield
             return
-        if self.trainer_holds_device or self.teacher_holds_device:
+        if self.trainer_holds_device or self.teacher_holds_device or self.critic_holds_device:
             raise LifecycleError(f"the {group.role} scores inside the generator's turn: the engine must hold the device")
 
         def out():
@@ -154,20 +168,48 @@ class Handover:
         self.teacher_holds_device = True
         self._engine_has_weights = self.sleep_level < 2
 
+    def to_critic(self) -> None:
+        """Colocated: PPO's critic takes the device (its values, its training step; module doc), from the generator's
+        turn (the engine sleeps) or the trainer's (the trainer offloads everything: after a reference pass, or
+        between training and the refit for a checkpoint)."""
+        if self.critic is None:
+            raise LifecycleError("to_critic() without a critic (algorithm ppo)")
+        if not self.colocated or self.critic_holds_device:
+            return
+        if self.teacher_holds_device:
+            raise LifecycleError("to_critic() while the teacher holds the device")
+
+        def move():
+            if self.trainer_holds_device:  # the engine already sleeps
+                self.policy.offload()
+            else:
+                self.generator.sleep(self.sleep_level)
+            self.critic.onload()
+        self._timed(move)
+        if not self.trainer_holds_device:
+            self._engine_has_weights = self.sleep_level < 2
+        self.critic_holds_device, self.trainer_holds_device = True, False
+
     def to_trainer(self) -> None:
         if self.colocated and not self.trainer_holds_device:
+            asleep = self.teacher_holds_device or self.critic_holds_device  # the engine already sleeps
+
             def move():
-                if self.teacher_holds_device:  # the engine already sleeps
+                if self.teacher_holds_device:
                     self.teacher.offload()
+                elif self.critic_holds_device:
+                    self.critic.offload()
                 else:
                     self.generator.sleep(self.sleep_level)
                 self.policy.onload()
             self._timed(move)
-            if not self.teacher_holds_device:
+            if not asleep:
                 self._engine_has_weights = self.sleep_level < 2
-            self.trainer_holds_device, self.teacher_holds_device = True, False
+            self.trainer_holds_device, self.teacher_holds_device, self.critic_holds_device = True, False, False
 
     def to_generator(self) -> None:
+        if self.colocated and self.critic_holds_device:  # the policy's weights restore or refit the engine's
+            self.to_trainer()
         if self.colocated and self.trainer_holds_device:
             if not self._engine_has_weights:  # a step without a refit, after a level-2 sleep (module docstring)
                 self.refit(restore=True)
@@ -185,6 +227,11 @@ class Handover:
                              engine_kv_bytes=self.generator.kv_cache_bytes() // engines)
                 if first:
                     print(f"[megatron-rl] {describe_memory_plan(self.memory_plan)}", flush=True)
+
+    def record_critic(self) -> None:
+        """Colocated: what the critic's turn held per device (after its training step: weights, gradients, Adam)."""
+        if self.colocated and self.critic_holds_device:
+            self._record("critic", self.critic.memory_report())
 
     def _record(self, phase: str, reports: list[dict], **extra) -> None:
         """Device memory at `phase`, per device (the fullest rank's), the highest seen so far: Adam's state appears
@@ -249,11 +296,11 @@ def describe_memory_plan(plan: dict[str, dict]) -> str:
     GPU the device's total use, which includes the engine's weights and the CUDA contexts)."""
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     parts = []
-    for phase in ("train", "refit", "generate"):
+    for phase in ("critic", "train", "refit", "generate"):
         r = plan.get(phase)
         if r is None:
             continue
-        held = f"trainer {gib(r['trainer_bytes'])}"
+        held = f"{'critic' if phase == 'critic' else 'trainer'} {gib(r['trainer_bytes'])}"
         if "refit_buffer_bytes" in r:
             held += f" + refit buffer {gib(r['refit_buffer_bytes'])} + the engine's weights"
         if "engine_kv_bytes" in r:

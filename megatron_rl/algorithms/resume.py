@@ -24,7 +24,7 @@ from megatron_rl.config import Config, ConfigError, to_dict
 # prompts it trains on and their order, the model, the objective, the sampling the loss assumes, the reward.
 RUN_KEYS = ("data", "policy.model", "policy.tokenizer", "grpo", "reward", "init_from", "generation.temperature",
             "generation.top_p", "generation.top_k", "generation.max_new_tokens", "generation.stop", "environment",
-            "distillation")
+            "distillation", "ppo", "critic")
 # Keys inside those that do not: how long to train (raised to continue a finished run, or a time budget), validation, the run's
 # abort thresholds, and the verifier's process count and memory cap.
 FREE_KEYS = ("grpo.max_steps", "grpo.max_minutes", "grpo.val_every", "grpo.val_num_prompts", "grpo.val_pass_k", "grpo.max_nonfinite_steps",
@@ -65,7 +65,7 @@ def changed_run_keys(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     algos = (saved.get("algorithm") or "grpo", current.get("algorithm") or "grpo")  # saved before the key: grpo
     if algos[0] != algos[1]:
         return [("algorithm", *algos)]
-    if algos[0] != "grpo":
+    if algos[0] not in ("grpo", "ppo"):
         return _changed(saved, current, SUPERVISED_RUN_KEYS + (algos[0],),
                         ("data.val_seed", "data.val_path") + tuple(f"{algos[0]}.{k}" for k in SUPERVISED_FREE_KEYS))
     a, b = _flatten(saved), _flatten(current)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_rl.algorithms.advantages import Sample, dynamic_sample, group_advantages
+from megatron_rl.algorithms.advantages import Sample, dynamic_sample, group_advantages, sanitize_rewards
 from megatron_rl.config.schema import Config
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.rewards.shaping import overlong_penalty
@@ -21,6 +21,8 @@ class Rollout:
     rewards: torch.Tensor  # [groups, G]
     completions: list[str]
     stats: dict = field(default_factory=dict)
+    # each batch sequence's own reward (non-finite ones as 0, as the advantages see them): PPO's GAE starts from it
+    seq_rewards: list[float] = field(default_factory=list)
 
 
 def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version: int):
@@ -71,7 +73,8 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     baseline, but a cut-off reasoning chain is neither reinforced nor punished."""
     # no group kept (dynamic sampling dropped all): nothing to normalise
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
-    ids, plens, advs, gen_lps, gids, texts, masks = [], [], [], [], [], [], []
+    ids, plens, advs, gen_lps, gids, texts, masks, rews = [], [], [], [], [], [], [], []
+    clean = sanitize_rewards(groups.rewards)[0] if len(groups.payloads) else None
     for gi, (item, samples) in enumerate(groups.payloads):
         for j, sample in enumerate(samples):
             tok, lps, text, finish = sample[:4]
@@ -85,6 +88,7 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
             ids.append(list(item.prompt_ids) + list(tok))
             plens.append(len(item.prompt_ids))
             advs.append(float(adv[gi, j]))
+            rews.append(float(clean[gi, j]))
             gen_lps.append(torch.tensor(lps, dtype=torch.float32))
             gids.append(gi)
             texts.append(text)
@@ -94,4 +98,4 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
                          loss_mask=[m if m is not None else torch.ones(len(i) - p, dtype=torch.bool)
                                     for m, i, p in zip(masks, ids, plens)] if multiturn else None)
     stats["num_nonfinite_rewards"] = num_bad
-    return Rollout(batch=batch, rewards=groups.rewards, completions=texts, stats=stats)
+    return Rollout(batch=batch, rewards=groups.rewards, completions=texts, stats=stats, seq_rewards=rews)

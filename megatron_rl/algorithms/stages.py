@@ -54,10 +54,10 @@ def run_chain(path: str | Path, overrides: list[str], *, run: Callable[[Config],
         latest = latest_checkpoint(root)
         # SFT / DPO stages: their step count may come from the data (epochs), which `run` reads; it then says
         # "already complete" itself, before starting anything
-        last = cfg.grpo.max_steps if cfg.algorithm == "grpo" else getattr(cfg, cfg.algorithm).max_steps
+        last = cfg.grpo.max_steps if cfg.samples_rollouts() else getattr(cfg, cfg.algorithm).max_steps
         if dry_run:
             print(f"stage {i}: {st.config} -> {cfg.output.dir} (init_from={cfg.init_from})")
-        elif cfg.algorithm == "grpo" and latest is not None and read_metadata(latest).get("step", 0) >= last:
+        elif cfg.samples_rollouts() and latest is not None and read_metadata(latest).get("step", 0) >= last:
             print(f"[megatron-rl] stage {i} ({st.config}) already finished at {latest}")
         else:
             print(f"[megatron-rl] stage {i}: {st.config}", flush=True)

@@ -32,7 +32,10 @@ def step_warnings(rec: dict, cfg) -> dict[str, str]:
         hint = ("the environment's reward" if cfg.environment.cls is not None else
                 f"what the verifier read (reward.kind={cfg.reward.kind}, reward.answer_format="
                 f"{cfg.reward.answer_format}) against the prompt's instructions")
-        out["no_signal"] = (f"step {step}: every reward was {rec.get('reward_mean', 0.0):.3f}, so every advantage is 0 "
+        # PPO: the advantages are the critic's errors then, nonzero but with nothing about the task in them
+        what = ("the advantages hold only the critic's errors" if cfg.algorithm == "ppo" else
+                "every advantage is 0")
+        out["no_signal"] = (f"step {step}: every reward was {rec.get('reward_mean', 0.0):.3f}, so {what} "
                             f"and nothing is learnt (grad_norm {rec.get('grad_norm')}); samples.jsonl shows the "
                             f"completions: check {hint}")
     return out

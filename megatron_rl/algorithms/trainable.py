@@ -31,6 +31,8 @@ def why_not_skippable(cfg: Config) -> str | None:
     """None where zero-advantage sequences may be left out without changing the update; else the config key that
     puts gradient on every token."""
     loss = cfg.grpo.loss
+    if getattr(cfg, "algorithm", "grpo") == "ppo":  # the critic's GAE advantage is per token, on every sequence
+        return "algorithm"
     if getattr(cfg, "distillation", None) is not None:  # the teacher's advantage is per token, on every sequence
         return "distillation"
     if loss.kl_coef != 0.0:

@@ -261,7 +261,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
         cfg.generation.precision = cfg.policy.precision
     if cfg.policy.packing == "auto":  # fsdp2: none, its varlen row has a [t, t] mask; megatron: Platform.packing_for
         cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().packing_for(
-            cfg.longest_train_row() if cfg.algorithm == "grpo" else 0)  # SFT/DPO/RM rows: 0, the platform's
+            cfg.longest_train_row() if cfg.samples_rollouts() else 0)  # SFT/DPO/RM rows: 0, the platform's
     if cfg.generation.gpu_memory_utilization is None:
         cfg.generation.gpu_memory_utilization = (COLOCATED_GPU_MEMORY_UTILIZATION if cfg.cluster.colocated
                                                  else OWN_DEVICE_GPU_MEMORY_UTILIZATION)
@@ -273,11 +273,13 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     # these modules import this one's ConfigError
     from megatron_rl.config.distillation import validate_distillation
     from megatron_rl.config.reward_model import validate_reward_model
+    from megatron_rl.config.ppo_rules import validate_ppo
     from megatron_rl.config.supervised_rules import validate_supervised
 
     validate_supervised(cfg)
     validate_distillation(cfg)
     validate_reward_model(cfg)
+    validate_ppo(cfg)
     if check_model:
         validate_against_model(cfg)
     return cfg
@@ -320,7 +322,7 @@ def _validate_adapter_refit(cfg: Config) -> None:
     if lora.rank > VLLM_LORA_RANKS[-1]:
         raise ConfigError(f"policy.lora.rank={lora.rank}: vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]} "
                           "(generation.lora_refit=adapter); use generation.lora_refit=merged")
-    if cfg.algorithm == "grpo" and cfg.cluster.colocated and cfg.generation.sleep_level == 2:
+    if cfg.samples_rollouts() and cfg.cluster.colocated and cfg.generation.sleep_level == 2:
         # level 2 drops the engine's weights while the trainer holds the device; the merged refit rewrites them all,
         # an adapter refit never sends the base again
         raise ConfigError("generation.sleep_level=2 discards the engine's base weights at every handover, and "

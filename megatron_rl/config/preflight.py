@@ -289,7 +289,7 @@ def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = Non
     machine, its platform and memory (a dry run may be validating a config for another machine). generator=False
     (default for SFT and DPO, which start no engine) skips the engine's checks: its platform, context and memory,
     and the reward's answer format."""
-    generator = cfg.algorithm == "grpo" if generator is None else generator
+    generator = cfg.samples_rollouts() if generator is None else generator
     if machine:
         if generator:
             check_generation_platform(cfg)

@@ -36,7 +36,7 @@ def validate_reward_model(cfg: Config) -> None:
         raise ConfigError("reward.model.weight is 0: the model's score would count for nothing (remove the section)")
     if m.clip is not None and not m.clip > 0:
         raise ConfigError(f"reward.model.clip must be > 0 (or null: no clipping), got {m.clip}")
-    if cfg.algorithm != "grpo":
+    if not cfg.samples_rollouts():
         raise ConfigError(f"reward.model scores rollouts (megatron-rl train); algorithm={cfg.algorithm} has none")
     if cfg.environment.cls is not None:
         raise ConfigError("reward.model with environment.cls: a multi-turn run's reward is its environment's; remove "

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+# sections kept in files of their own (re-exported here: `from megatron_rl.config.schema import OptimizerConfig`)
+from megatron_rl.config.optimizer_schema import OptimizerConfig, SchedulerConfig  # noqa: F401
+from megatron_rl.config.ppo_schema import CriticConfig, PPOConfig  # noqa: F401
+
 
 @dataclass
 class ClusterConfig:
@@ -22,26 +26,6 @@ class ClusterConfig:
     # maps loopback to the machine's address and listens on all interfaces; a per-run token protects it)
     bind_host: str = "127.0.0.1"
     worker_death_timeout_s: float = 30.0
-
-
-@dataclass
-class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    distributed: bool = True  # megatron distributed optimizer (optimizer state sharded over DP)
-
-
-@dataclass
-class SchedulerConfig:
-    warmup_steps: int = 0
-    decay: Literal["constant", "cosine", "linear"] = "constant"
-    decay_steps: Optional[int] = None  # default: grpo.max_steps
 
 
 @dataclass
@@ -467,12 +451,19 @@ class Config:
     # previous stage whose final checkpoint initialises this run (stage chains); None for a fresh start
     init_from: Optional[str] = None
     # which trainer runs: `megatron-rl train` (grpo), `megatron-rl sft`, `megatron-rl dpo`, `megatron-rl rm` set it
-    algorithm: Literal["grpo", "sft", "dpo", "rm"] = "grpo"
+    # (ppo: `megatron-rl train` with `algorithm: ppo` in the config)
+    algorithm: Literal["grpo", "ppo", "sft", "dpo", "rm"] = "grpo"
     sft: SFTConfig = field(default_factory=SFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     # on-policy distillation from a frozen teacher (algorithm grpo: the same loop, another advantage); None: off
     distillation: Optional[DistillationConfig] = None
+    ppo: PPOConfig = field(default_factory=PPOConfig)  # algorithm ppo: GAE (config/ppo_schema.py)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # algorithm ppo: the value model's group
+
+    def samples_rollouts(self) -> bool:
+        """GRPO and PPO sample rollouts from vLLM engines (`megatron-rl train`); SFT, DPO and RM read a file."""
+        return self.algorithm in ("grpo", "ppo")
 
     def max_model_len(self) -> int:
         """The engine's context: generation.max_model_len, by default the longest prompt plus the response budget

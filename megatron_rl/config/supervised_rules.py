@@ -34,7 +34,7 @@ def validate_supervised(cfg: Config) -> None:
     if coef is not None and coef < 0:
         raise ConfigError(f"rm.center_rewards_coefficient must be >= 0 (or null: off), got {coef}")
     _value_head(cfg)
-    if cfg.algorithm == "grpo":
+    if cfg.samples_rollouts():
         return
     if not cfg.data.path:
         raise ConfigError(f"data.path is required for algorithm={cfg.algorithm} (a JSONL file; docs/sft_dpo.md)")

@@ -101,9 +101,9 @@ class DeviceLayout:
     policy: ParallelDims
     gen_tp: int
     gen_dp: int  # engines
-    # a frozen scorer's ranks share the policy's bundles: a distillation teacher (config.distillation) or a reward
-    # model (config reward.model); the loader allows one of them at a time
-    teacher: bool = False
+    # groups whose ranks share the policy's bundles, one rank on each: a distillation teacher (config.distillation),
+    # a reward model (config reward.model), PPO's critic (config critic); each takes its own turn when colocated
+    side_groups: int = 0
 
     @property
     def engines(self) -> list[list[int]]:
@@ -115,16 +115,16 @@ class DeviceLayout:
     def share(self) -> float:
         """The fraction of its bundle's device an engine worker asks Ray for: colocated, a policy rank and an engine
         worker take half each (they take turns on the device), a third each with a distillation teacher taking its
-        turn too; disaggregated, each engine has its device alone."""
+        turn too, and so on for each side group; disaggregated, each engine has its device alone."""
         if self.colocated:
-            return round(1.0 / (3 if self.teacher else 2), 4)  # Ray counts fractions to 1e-4
+            return round(1.0 / (2 + self.side_groups), 4)  # Ray counts fractions to 1e-4
         return 1.0
 
     @property
     def policy_share(self) -> float:
-        """The fraction a policy rank (and a teacher rank, on the same bundles) asks for: the engines' when colocated,
-        else the policy bundle alone or halved with a teacher."""
-        return self.share if self.colocated else (0.5 if self.teacher else 1.0)
+        """The fraction a policy rank (and a side group's rank, on the same bundles) asks for: the engines' when
+        colocated, else the policy bundle split between the policy and its side groups."""
+        return self.share if self.colocated else round(1.0 / (1 + self.side_groups), 4)
 
     @property
     def gen_devices(self) -> int:
@@ -150,7 +150,7 @@ class DeviceLayout:
 
 
 def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
-                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1, teacher: bool = False) -> DeviceLayout:
+                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1, side_groups: int = 0) -> DeviceLayout:
     """The layout of `devices` devices (GPUs, or CPU slots on CPU machines), or ValueError naming the config keys.
 
     Colocated: the policy's ranks take the devices (default dp: devices / (tp*pp)) and the engines time-share them.
@@ -185,7 +185,7 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
         raise ValueError(f"policy.tp*pp = {tp * pp} does not divide {whose}; set policy.dp explicitly")
     policy = ParallelDims(tp=tp, pp=pp, dp=room // (tp * pp) if dp is None else dp, ep=ep)
     n_engines, _ = _engines(policy_world=policy.world_size, colocated=colocated, tp=gen_tp, dp=gen_dp)
-    return DeviceLayout(devices, colocated, policy, gen_tp, n_engines, teacher)
+    return DeviceLayout(devices, colocated, policy, gen_tp, n_engines, side_groups)
 
 
 def check_staleness(max_staleness: int, colocated: bool) -> None:
@@ -200,8 +200,9 @@ def layout_of(cfg) -> DeviceLayout:
     c, p, g = cfg.cluster, cfg.policy, cfg.generation
     return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
                          gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep,
-                         teacher=getattr(cfg, "distillation", None) is not None
-                         or getattr(getattr(cfg, "reward", None), "model", None) is not None)
+                         side_groups=(getattr(cfg, "distillation", None) is not None)
+                         + (getattr(getattr(cfg, "reward", None), "model", None) is not None)
+                         + (getattr(cfg, "algorithm", "grpo") == "ppo"))
 
 
 def check_policy_split(*, tp: int, pp: int, heads: int, kv_heads: int, layers: int, ffn: int | None) -> None:

@@ -20,7 +20,7 @@ VAL_KEYS = ("val_accuracy", "val_pass_at_k")
 # SFT / DPO runs (`algorithm: sft | dpo` in the run's config)
 SUPERVISED_TRAIN_KEYS = ("loss", "rewards_accuracy", "rewards_margin")
 SUPERVISED_VAL_KEYS = ("val_loss", "val_rewards_accuracy")
-TITLES = {"grpo": "GRPO", "sft": "SFT", "dpo": "DPO", "rm": "Reward-model (Bradley-Terry)"}
+TITLES = {"grpo": "GRPO", "ppo": "PPO", "sft": "SFT", "dpo": "DPO", "rm": "Reward-model (Bradley-Terry)"}
 # reward-model runs: TRL's RewardTrainer names
 RM_TRAIN_KEYS = ("loss", "accuracy", "margin")
 RM_VAL_KEYS = ("val_loss", "val_accuracy")
@@ -59,10 +59,13 @@ def _supervised_recipe(config: dict, step: int, algo: str) -> list[str]:
 
 def _recipe_lines(config: dict, step: int) -> list[str]:
     g = lambda p: _get(config, p)  # noqa: E731
-    if _algorithm(config) != "grpo":
-        return _supervised_recipe(config, step, _algorithm(config))
+    algo = _algorithm(config)
+    if algo not in ("grpo", "ppo"):
+        return _supervised_recipe(config, step, algo)
+    critic = (f", a critic (GAE gamma {g('ppo.gamma')}, lambda {g('ppo.lam')}, critic lr "
+              f"{g('critic.optimizer.lr')})" if algo == "ppo" else "")
     lines = [f"- steps: {step} of `grpo.max_steps` {g('grpo.max_steps')}",
-             f"- algorithm: GRPO, loss variant `{g('grpo.loss.variant')}`, {g('grpo.num_prompts_per_step')} prompts "
+             f"- algorithm: {TITLES[algo]}{critic}, loss variant `{g('grpo.loss.variant')}`, {g('grpo.num_prompts_per_step')} prompts "
              f"x {g('grpo.num_generations_per_prompt')} samples per step, lr {g('policy.optimizer.lr')}, "
              f"KL coefficient {g('grpo.loss.kl_coef')}, precision {g('policy.precision')}",
              f"- generation: temperature {g('generation.temperature')}, up to {g('generation.max_new_tokens')} "
@@ -104,7 +107,7 @@ def model_card(ckpt: Path, meta: dict, out_name: str, dtype: str) -> str:
         base = "SmolLM2-135M-Instruct (megatron-rl's embedded default model)"
     arch = ", ".join((meta.get("hf_config") or {}).get("architectures") or ["?"])
     algo = _algorithm(config)
-    tags = "grpo, reinforcement-learning" if algo == "grpo" else algo
+    tags = f"{algo}, reinforcement-learning" if algo in ("grpo", "ppo") else algo
     value = bool(meta.get("value_head"))  # a reward model: transformers' ...ForSequenceClassification
     lines = ["---", "library_name: transformers", f"pipeline_tag: {'text-classification' if value else 'text-generation'}",
              f"tags: [megatron-rl, {tags}]", "---", "", f"# {out_name}", ""]
