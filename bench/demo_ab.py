@@ -8,6 +8,7 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare backend ...
     .venv/bin/python bench/demo_ab.py --compare lora [--lora-lr 1e-4] [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --compare distill [--teacher runs/demo_cpu/hf_final] [grpo.val_every=10] ...
+    .venv/bin/python bench/demo_ab.py --compare ppo [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
@@ -28,6 +29,10 @@ override turns it on (`grpo.val_every=10`: then each run's learning curve is pri
   final model exported to HF, made by the first commands of configs/distill_cpu.yaml): step time with the teacher's
   turn, the reverse KL and, with validation on, held-out accuracy by step and by minute side by side
   (docs/distillation.md). --smoke distils the tiny model from another random one.
+- ppo: GRPO (group-relative advantages) vs PPO with a learned critic (configs/ppo_cpu.yaml: the demo's rollouts,
+  8 prompts x 8 samples, and policy lr; GAE over a critic with a new value head on SmolLM2-135M): step time with the
+  critic's turn, the critic's fit (value loss, explained variance), both trainers' peak memory and, with validation
+  on, held-out accuracy by step and by minute (docs/algorithms.md).
 - fused_head: the lm_head's logits formed, then the logprob kernel (policy.fused_lm_head=false) vs the lm_head fused
   into it (the default; kernels/linear.py): what never forming [tokens, vocab] costs or saves in step time.
 - backend: the megatron-core trainer vs the FSDP2 one on the HF model (policy.backend=fsdp2, docs/fsdp2.md), each
@@ -71,14 +76,17 @@ COMPARISONS = {
                                             "policy.lora.target_modules=[all-linear]"]},
     # the teacher's folder is added from --teacher (configs/distill_cpu.yaml's other keys are the demo's)
     "distill": {"GRPO": [], "distillation": ["distillation.kl_coef=1.0", "distillation.reward_weight=0.0"]},
+    "ppo": {"GRPO": [], "PPO (critic, GAE)": []},
 }
+# variants run from another config than the demo's (which it builds on: `defaults: demo_cpu.yaml`)
+CONFIG_OF = {"PPO (critic, GAE)": "ppo_cpu.yaml"}
 
 
-def run_mode(extra: list[str], steps: int, out: Path) -> tuple[list[dict], float]:
+def run_mode(extra: list[str], steps: int, out: Path, config: str = "demo_cpu.yaml") -> tuple[list[dict], float]:
     from megatron_rl import build
     from megatron_rl.config import load_config
 
-    cfg = load_config(ROOT / "configs" / "demo_cpu.yaml", [
+    cfg = load_config(ROOT / "configs" / config, [
         f"output.dir={out}", f"grpo.max_steps={steps}", "grpo.val_every=0", "checkpoint.every_steps=0",
         "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", *extra])
     t0 = time.perf_counter()
@@ -107,10 +115,13 @@ def main(argv=None) -> int:
         args.overrides = [f"policy.model={tiny_model(Path(tiny.name))}", "grpo.num_prompts_per_step=2",
                           "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", *args.overrides]
         args.teacher = str(tiny_model(Path(tiny.name) / "teacher", seed=5))  # another random tiny model
+        if args.compare == "ppo":  # one step: it trains the policy too (configs/ppo_cpu.yaml warms the critic up first)
+            args.overrides.append("critic.warmup_steps=0")
     keys = ("time_step_s", "time_generate_s", "time_train_s", "time_logprobs_s", "time_refit_s",
             "time_handover_s", "time_wait_rollout_s", "generate_flops_per_s", "train_flops_per_s", "tokens_per_s",
             "reward_mean", "num_sequences_trained", "token_mult_prob_error", "gen_kl_error", "policy_peak_memory_gb",
-            "time_teacher_s", "reverse_kl")
+            "time_teacher_s", "reverse_kl", "time_critic_s", "value_loss", "explained_variance",
+            "critic_peak_memory_gb")
     rows, curves = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, extra) in enumerate(COMPARISONS[args.compare].items()):
@@ -118,13 +129,15 @@ def main(argv=None) -> int:
                 extra = extra + [f"policy.optimizer.lr={args.lora_lr}"]
             if args.compare == "distill" and extra:
                 extra = extra + [f"distillation.teacher={args.teacher}"]
-            recs, wall = run_mode(extra + list(args.overrides), args.steps, Path(tmp) / f"m{i}")
+            recs, wall = run_mode(extra + list(args.overrides), args.steps, Path(tmp) / f"m{i}",
+                                  CONFIG_OF.get(name, "demo_cpu.yaml"))
             steady = [r for r in recs if "time_step_s" in r][args.warmup:]
             rows[name] = {k: statistics.median(r.get(k, 0.0) for r in steady) for k in keys}
             rows[name]["wall_s"] = wall
             rows[name]["staleness"] = max(r.get("staleness_max", 0) for r in recs if "time_step_s" in r)
             # the peak so far, so the run's is its last step's
-            rows[name]["policy_peak_memory_gb"] = max((r.get("policy_peak_memory_gb") or 0.0) for r in recs)
+            for k in ("policy_peak_memory_gb", "critic_peak_memory_gb"):
+                rows[name][k] = max((r.get(k) or 0.0) for r in recs)
             curves[name] = [(r["step"], r["val_accuracy"], r.get("time_since_start_s", 0.0) / 60)
                             for r in recs if "val_accuracy" in r]
     print(f"{'median over steps ' + str(args.warmup + 1) + '..' + str(args.steps):<40}" +
