@@ -310,7 +310,8 @@ def _build(cfg: Config, out_dir: Path, plat, tok, model_dir: Path, stream, val_i
                                     layout.policy_share)
     critic = None
     if cfg.algorithm == "ppo":  # on the policy's bundles; trains in its own turn (Handover.to_critic)
-        say(t0, f"critic {cfg.critic.model or cfg.policy.model} (value head)")
+        say(t0, f"critic {cfg.critic.model}" if cfg.critic.model else
+            f"critic: the policy's model ({cfg.policy.model}) with a new value head")
         if c.colocated:  # never resident with the trainer's state (the teacher's rule above)
             policy.offload()
         critic = start_critic(cfg, placement, logs, sharing, layout.policy_share)

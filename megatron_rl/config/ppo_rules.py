@@ -33,9 +33,6 @@ def validate_ppo(cfg: Config) -> None:
     if cfg.grpo.loss.variant == "gspo":
         raise ConfigError("algorithm=ppo gives every token its own advantage (GAE); grpo.loss.variant=gspo clips "
                           "one ratio per sequence: use variant grpo or cispo")
-    if cfg.distillation is not None:
-        raise ConfigError("algorithm=ppo with distillation: the teacher's advantage replaces the critic's; use "
-                          "algorithm=grpo for distillation")
     if p.kl_in_reward and cfg.grpo.loss.kl_coef == 0:
         raise ConfigError("ppo.kl_in_reward=true folds grpo.loss.kl_coef x KL into the reward, but grpo.loss.kl_coef "
                           "is 0: set it (e.g. 0.05) or ppo.kl_in_reward=false")
@@ -65,3 +62,28 @@ def critic_policy_config(cfg: Config) -> PolicyConfig:
     return dataclasses.replace(cfg.policy, model=str(critic_model_dir(cfg)), tokenizer=None, optimizer=c.optimizer,
                                scheduler=c.scheduler, lora=None, value_head=True, fused_lm_head=False,
                                precision=cfg.policy.precision if c.precision == "auto" else c.precision)
+
+
+def check_critic_model(cfg: Config, policy_tok) -> None:
+    """critic.model against the policy (the pre-flight, before anything starts): it reads the policy's token ids
+    (one vocabulary), builds on the policy's backend, and splits as the policy does (policy.tp / policy.pp)."""
+    m = cfg.critic.model
+    if cfg.algorithm != "ppo" or m is None:
+        return
+    import json
+
+    from megatron_rl.config.distillation import check_megatron_family, check_shared_vocab
+    from megatron_rl.distributed.parallel_dims import check_policy_split
+
+    check_shared_vocab(cfg, policy_tok, "critic.model", m, "the critic scores the policy's token ids")
+    if cfg.policy.backend == "megatron":
+        check_megatron_family("critic.model", m, "the critic")
+    cfg_file = teacher_hf_dir(m) / "config.json"
+    hf = json.loads(cfg_file.read_text())
+    heads = hf.get("num_attention_heads")
+    try:
+        check_policy_split(tp=cfg.policy.tp, pp=cfg.policy.pp, heads=heads,
+                           kv_heads=hf.get("num_key_value_heads") or heads, layers=hf.get("num_hidden_layers"),
+                           ffn=hf.get("intermediate_size"))
+    except ValueError as e:
+        raise ConfigError(f"critic.model={m}: the critic takes the policy's split: {e} ({cfg_file})") from None

@@ -310,6 +310,9 @@ def preflight(cfg: Config, *, machine: bool = True, generator: bool | None = Non
         m = cfg.reward.model
         check_shared_vocab(cfg, tok, "reward.model.path", m.path, "the reward model scores the policy's token ids")
         check_megatron_family("reward.model.path", m.path, "the reward model")
+    from megatron_rl.config.ppo_rules import check_critic_model
+
+    check_critic_model(cfg, tok)  # PPO's critic: the same vocabulary, a family its backend builds, the policy's split
     if generator:
         check_context(cfg, spec, label)
         warn_answer_format(cfg)

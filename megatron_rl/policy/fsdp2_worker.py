@@ -234,7 +234,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         return p.to_local() if hasattr(p, "to_local") else p
 
     def _weights_copy(self) -> dict[str, torch.Tensor] | None:
-        if self.lora is not None:
+        # LoRA: the base is the reference. A value model (reward model, PPO's critic) has no KL term: no host copy
+        if self.lora is not None or self.cfg.value_head:
             return None
         return {n: self._local(p).detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
 
@@ -302,6 +303,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         if self.lora is not None:
             with fsdp2_lora.disabled(self.lora):
                 return self.logprobs(batch, temperature)
+        if self.ref_weights is None:
+            raise RuntimeError("a value model (policy.value_head: a reward model or PPO's critic) keeps no KL reference")
         current = self._swap_weights(self.ref_weights)
         try:
             return self.logprobs(batch, temperature)

@@ -101,7 +101,8 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
                 "trainable_params": sum(p.numel() for p in self.gpt.parameters() if p.requires_grad)}
 
     def _weights_copy(self) -> dict[str, torch.Tensor] | None:
-        if self.lora is not None:
+        # LoRA: the base is the reference. A value model (reward model, PPO's critic) has no KL term: no host copy
+        if self.lora is not None or self.cfg.value_head:
             return None
         return {n: p.detach().to("cpu", copy=True) for n, p in self.gpt.named_parameters()}
 
@@ -133,6 +134,8 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
         if self.lora is not None:
             with adapters_disabled(self.lora):
                 return self.logprobs(batch, temperature)
+        if self.ref_weights is None:
+            raise RuntimeError("a value model (policy.value_head: a reward model or PPO's critic) keeps no KL reference")
         current = self._swap_weights(self.ref_weights)
         try:
             return self.logprobs(batch, temperature)
