@@ -10,6 +10,8 @@ reward.
     .venv/bin/python bench/demo_ab.py --compare distill [--teacher runs/demo_cpu/hf_final] [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --compare ppo [grpo.val_every=10] ...
     .venv/bin/python bench/demo_ab.py --smoke [--compare precision]
+    ... --out DIR: keep each run's output (metrics.jsonl, samples) in DIR/m0, DIR/m1, and with validation on plot
+    both learning curves, by step and by minute, to DIR/accuracy.png
 
 Both runs use configs/demo_cpu.yaml (SmolLM2-135M, chain_sum) with checkpoints off and validation off unless an
 override turns it on (`grpo.val_every=10`: then each run's learning curve is printed by step and by minute).
@@ -95,6 +97,28 @@ def run_mode(extra: list[str], steps: int, out: Path, config: str = "demo_cpu.ya
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()], wall
 
 
+def plot_curves(curves: dict, path: Path) -> Path:
+    """Held-out greedy accuracy of each variant by step and by minute since its start, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_min) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, c in curves.items():
+        by_step.plot([s for s, _, _ in c], [a for _, a, _ in c], marker="o", label=name)
+        by_min.plot([m for _, _, m in c], [a for _, a, _ in c], marker="o", label=name)
+    for ax, x in ((by_step, "step"), (by_min, "minutes since start")):
+        ax.set_xlabel(x)
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+    by_step.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compare", choices=sorted(COMPARISONS), default="precision")
@@ -104,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-lr", type=float, default=1e-4, help="--compare lora: the LoRA run's policy.optimizer.lr")
     ap.add_argument("--teacher", default="runs/demo_cpu/hf_final",
                     help="--compare distill: the teacher's HF folder (configs/distill_cpu.yaml says how to make it)")
+    ap.add_argument("--out", help="keep the runs' outputs here (default: a temporary folder) and plot the curves")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     tiny = tempfile.TemporaryDirectory()
@@ -123,7 +148,8 @@ def main(argv=None) -> int:
             "time_teacher_s", "reverse_kl", "time_critic_s", "value_loss", "explained_variance",
             "critic_peak_memory_gb")
     rows, curves = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.out or scratch
         for i, (name, extra) in enumerate(COMPARISONS[args.compare].items()):
             if args.compare == "lora" and extra:
                 extra = extra + [f"policy.optimizer.lr={args.lora_lr}"]
@@ -148,6 +174,8 @@ def main(argv=None) -> int:
         print("\nheld-out greedy accuracy (step: accuracy @ minutes since start)")
         for n, c in curves.items():
             print(f"{n:<40}" + "  ".join(f"{st}: {acc:.1%} @ {m:.1f}" for st, acc, m in c))
+    if args.out and any(curves.values()):
+        print(f"plot: {plot_curves(curves, Path(args.out) / 'accuracy.png')}")
     (a_name, a), (b_name, b) = rows.items()
     # speed ratios, > 1: the second variant is faster (its step takes 1/x of the first's)
     print(f"{b_name} vs {a_name}: speed (first's step time / second's) {a['time_step_s'] / b['time_step_s']:.2f}x, "

@@ -284,7 +284,9 @@ class GRPO(Algorithm):
 
     def on_record(self, step: int, rec: dict, tracker: Tracker) -> None:
         tracker.log_samples(step, "train", self.samples)  # before any abort: the completions say why
-        if not rec["no_trainable_groups"] and rec.get("policy_trained", True):
+        # a critic-only step (PPO's warm-up) leaves the weights as they were: they are this step's weights too, so
+        # an async rollout sampled from them is as fresh as one from a trained step
+        if not rec["no_trainable_groups"]:
             self.weights_step = step
         self.warn(step_warnings(rec, self.cfg))
         self.empty = self.empty + 1 if rec["no_trainable_groups"] else 0

@@ -195,6 +195,7 @@ def test_killed_critic_rank_fails_fast_and_named(parts):
 
     cfg, c, _ = parts
     algo = PPO(cfg, c, 0.0)
+    algo.begin(0, {})
     victim = c.critic.group.pids[1]
     threading.Timer(3.0, os.kill, (victim, signal.SIGKILL)).start()
     t0 = time.monotonic()
@@ -202,6 +203,7 @@ def test_killed_critic_rank_fails_fast_and_named(parts):
         for step in range(4, 40):  # steps take a second or two here: the kill lands inside one of them
             algo.step(step, None)
     assert time.monotonic() - t0 < 33
+    c.shutdown()  # the shared parts end here: the runs below start a Ray of their own in this process
 
 
 def _run(model, out: Path, steps: int) -> list[dict]:
