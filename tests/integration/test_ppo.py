@@ -10,6 +10,8 @@ export as a reward model added to the verifier's reward: policy, engine, reward 
   observation tokens inside the responses), whitened over them; it trains (its values move);
 - a warm-up step trains the critic alone (the engines keep their weight version); later steps train both, and every
   part ends where a step leaves it; the colocated memory plan has the critic's turn;
+- with the KL in the reward the policy's reference pass comes first, then the critic's turn, and each token's reward
+  carries -kl_coef x (log pi_old - log pi_ref) into GAE;
 - a critic rank killed mid-step stops the driver with a WorkerDiedError naming it, within seconds;
 - async PPO (disaggregated, max_staleness 1) through `build.run` resumes exactly: a re-run from the step-2
   checkpoints (the policy's and the critic's) reproduces the uninterrupted run's steps 3-4, the critic's value loss
@@ -182,6 +184,50 @@ def test_warmup_then_ppo_steps(parts):
         assert c.reward_model.state() == OFFLOADED
     assert c.handover.version == version + 2
     assert "critic" in c.handover.memory_plan and c.handover.memory_plan["critic"]["trainer_bytes"] > 0
+
+
+def test_kl_in_the_reward(parts):
+    """ppo.kl_in_reward: the policy's turn comes first (its logprobs and the reference's), then the critic's; each
+    trained token's reward is -kl_coef x (log pi_old - log pi_ref), the last one's plus the sequence's reward."""
+    import dataclasses
+
+    from megatron_rl.algorithms.async_rollouts import sample_step
+    from megatron_rl.algorithms.ppo import critic_turn
+    from megatron_rl.algorithms.ppo_loss import ADVANTAGES, OLD_VALUES, ValueLossFn
+    from megatron_rl.algorithms.rollout import build_rollout
+
+    cfg, c, _ = parts
+    coef = 0.5
+    kl_cfg = dataclasses.replace(cfg, ppo=dataclasses.replace(cfg.ppo, kl_in_reward=True, whiten_advantages=False),
+                                 grpo=dataclasses.replace(cfg.grpo, loss=dataclasses.replace(cfg.grpo.loss,
+                                                                                             kl_coef=coef)))
+    order = []
+    real = {"policy": c.policy.reference_logprobs, "critic": c.critic.logprobs}
+    c.policy.reference_logprobs = lambda b, *a: order.append(("policy", c.policy.state(), c.critic.state())) or \
+        real["policy"](b, *a)
+    c.critic.logprobs = lambda b, *a: order.append(("critic", c.policy.state(), c.critic.state())) or \
+        real["critic"](b, *a)
+    try:
+        sampled = sample_step(kl_cfg, c, 4, 3)
+        roll = build_rollout(kl_cfg, sampled.groups, sampled.stats)
+        batch = roll.batch
+        rec = critic_turn(kl_cfg, c, batch, roll.seq_rewards, ValueLossFn(cfg.critic.value_clip))
+    finally:
+        c.policy.reference_logprobs, c.critic.logprobs = real["policy"], real["critic"]
+    assert order == [("policy", RESIDENT, OFFLOADED), ("critic", OFFLOADED, RESIDENT)]
+    # three steps of training (test_warmup_then_ppo_steps, lr 1e-3) moved the policy from its reference
+    kl = torch.cat(batch.old_logprobs) - torch.cat(batch.ref_logprobs)
+    assert float(kl.abs().max()) > 1e-3 and rec["kl_in_reward"] == pytest.approx(float(kl.mean()), rel=1e-5)
+    lengths = batch.response_lens()
+    rewards = (-coef * kl).tolist()
+    start = 0
+    for r, n in zip(roll.seq_rewards, lengths):
+        rewards[start + n - 1] += r
+        start += n
+    values = torch.cat(batch.fields[OLD_VALUES]).tolist()
+    adv, _ = reference_gae(rewards, values, [True] * len(values), lengths, cfg.ppo.gamma, cfg.ppo.lam)
+    torch.testing.assert_close(torch.cat(batch.fields[ADVANTAGES]), torch.tensor(adv), atol=1e-5, rtol=1e-5)
+    c.handover.to_generator()
 
 
 def test_killed_critic_rank_fails_fast_and_named(parts):
