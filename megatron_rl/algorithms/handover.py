@@ -171,7 +171,10 @@ class Handover:
     def to_critic(self) -> None:
         """Colocated: PPO's critic takes the device (its values, its training step; module doc), from the generator's
         turn (the engine sleeps) or the trainer's (the trainer offloads everything: after a reference pass, or
-        between training and the refit for a checkpoint)."""
+        between training and the refit for a checkpoint). The same moves run on CPU: tests/integration/test_ppo.py
+        checks the states inside the turn from either side (test_critic_turn_values_and_gae, test_kl_in_the_reward)
+        and a colocated checkpoint save through it (test_fsdp2_ppo_step_through_the_cli: a save while offloaded is
+        refused by the worker)."""
         if self.critic is None:
             raise LifecycleError("to_critic() without a critic (algorithm ppo)")
         if not self.colocated or self.critic_holds_device:
