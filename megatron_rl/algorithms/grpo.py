@@ -24,6 +24,7 @@ from megatron_rl.algorithms.mismatch_guard import check_mismatch
 from megatron_rl.algorithms.loss_fn import GRPOLossFn
 from megatron_rl.algorithms.distill_loss import DistillLossFn
 from megatron_rl.algorithms.async_rollouts import RolloutPipeline, SampledRollout, sample_step
+from megatron_rl.algorithms.inflight_rollouts import InflightPipeline
 from megatron_rl.algorithms.rollout import build_rollout
 
 from megatron_rl.algorithms.samples import pick_train_samples
@@ -41,6 +42,10 @@ from megatron_rl.platform import device_telemetry
 
 # multi-turn rollouts' own metrics (episodes.py); env_error_first is the first failure's "trajectory: kind: detail"
 MULTITURN_METRICS = ("turns_mean", "tool_calls_mean", "env_errors", "env_error_first", "observation_tokens", "env_s")
+# in-flight rollouts' (inflight_rollouts.py): refits that landed in running requests, tokens too stale to train, groups
+# still generating when the step took its batch, the engines' busy seconds, scoring that overlapped the trainer
+INFLIGHT_METRICS = ("inflight_updates", "stale_tokens_masked", "stale_groups_dropped", "partial_carried",
+                    "engine_busy_s", "time_reward_overlapped_s")
 
 
 class EmptyStepsAbort(RuntimeError):
@@ -114,7 +119,7 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     if gstats.get("rm_scored"):  # a reward model's mean score of the step's samples (rewards/model_reward.py)
         rec["rm_score_mean"] = gstats["rm_score_sum"] / gstats["rm_scored"]
     # multi-turn rollouts (algorithms/episodes.py): what the environments did
-    rec.update({k: v for k, v in gstats.items() if k in MULTITURN_METRICS or k.startswith("env/")})
+    rec.update({k: v for k, v in gstats.items() if k in MULTITURN_METRICS + INFLIGHT_METRICS or k.startswith("env/")})
     if rewards.numel():  # over the kept groups; absent (not 0) when dynamic sampling dropped every group
         rec.update(reward_mean=float(rewards.mean()), reward_std=float(rewards.std()) if rewards.numel() > 1 else 0.0)
     if len(batch) == 0:
@@ -184,7 +189,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     })
     # optional counters: present when their feature is on (importance masks, DAPO overlong handling)
     rec.update({k: m[k] for k in ("is_masked_token_frac", "is_masked_seq_frac", "reverse_kl") if k in m})
-    rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized") if k in gstats})
+    rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized", "num_fully_masked")
+                if k in gstats})
     # mini-batch metrics are means over the optimizer steps; the positions fed add up over them
     rec["num_tokens_fed"] = m.get("num_tokens_fed", 0.0) * len(results)
     rec.update(phase_flops_per_s(matmul_params_of(str(c.model_dir)), rec, tokens_fed=rec["num_tokens_fed"],
@@ -268,13 +274,18 @@ class GRPO(Algorithm):
                   flush=True)
 
     def save(self, step: int) -> None:
-        _save(self.cfg, self.c, checkpoint_root(self.cfg), step,
-              pending=self.pipeline.state() if self.pipeline is not None else None)
+        pending, stream = None, None
+        if isinstance(self.pipeline, InflightPipeline):  # the admitted prompts and the stream's position together
+            pending, stream = self.pipeline.state()
+        elif self.pipeline is not None:
+            pending = self.pipeline.state()
+        _save(self.cfg, self.c, checkpoint_root(self.cfg), step, pending=pending, stream_state=stream)
 
     def step(self, step: int, checkpoint) -> dict:
         if self.cfg.grpo.max_staleness > 0 and self.pipeline is None:
             # async: started with the first step, after the baseline validation (which needs the engines alone)
-            self.pipeline = RolloutPipeline(self.cfg, self.c, self.start, self.pending)
+            kind = InflightPipeline if self.cfg.grpo.inflight_weight_updates else RolloutPipeline
+            self.pipeline = kind(self.cfg, self.c, self.start, self.pending)
         p = self.pipeline
         self.samples = []
         return train_step(self.cfg, self.c, step, self.loss_fn, checkpoint=checkpoint,
@@ -288,6 +299,8 @@ class GRPO(Algorithm):
         # an async rollout sampled from them is as fresh as one from a trained step
         if not rec["no_trainable_groups"]:
             self.weights_step = step
+        if isinstance(self.pipeline, InflightPipeline):  # the engines' version now holds these weights
+            self.pipeline.note_weights(self.c.handover.version, self.weights_step)
         self.warn(step_warnings(rec, self.cfg))
         self.empty = self.empty + 1 if rec["no_trainable_groups"] else 0
         if self.empty:
@@ -303,6 +316,9 @@ class GRPO(Algorithm):
                                   "broken; aborting")
 
     def validate(self, step: int, tracker: Tracker) -> dict:
+        if isinstance(self.pipeline, InflightPipeline):  # the engines alone: running requests finish first
+            with self.pipeline.drained():
+                return _validate(self.cfg, self.c, self.t_start, step, tracker)
         return _validate(self.cfg, self.c, self.t_start, step, tracker)
 
     def after_log(self, step: int, rec: dict) -> None:

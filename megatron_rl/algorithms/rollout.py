@@ -37,23 +37,9 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         res = generator.generate([it.prompt_ids for it in items], n=G, temperature=g.temperature, top_p=g.top_p,
                                  top_k=g.top_k, max_tokens=g.max_new_tokens, stop=g.stop or None,
                                  expected_version=version)
-        texts = [tokenizer.decode(t) for t in res.token_ids]
-        t0 = time.perf_counter()
-        rewards, rstats = reward_fn.score([items[i] for i in res.prompt_indices], texts, token_ids=res.token_ids)
-        totals["reward_s"] += time.perf_counter() - t0
-        answers = rstats.get("answers") or [None] * len(texts)  # what the verifier read, for samples.jsonl
-        if cfg.reward.overlong_buffer_len > 0:  # DAPO soft overlong punishment, before advantages see the rewards
-            pens = [overlong_penalty(len(t), g.max_new_tokens, cfg.reward.overlong_buffer_len,
-                                     cfg.reward.overlong_penalty) for t in res.token_ids]
-            rewards = [r + p for r, p in zip(rewards, pens)]
-            totals["num_overlong_penalized"] = totals.get("num_overlong_penalized", 0) + sum(p < 0 for p in pens)
-        for k, v in rstats.items():
-            if isinstance(v, (int, float)):
-                totals[k] = totals.get(k, 0) + v
-        totals["num_generated_tokens"] += res.num_generated_tokens
+        rewards, texts, answers = score_samples(cfg, reward_fn, tokenizer, [items[i] for i in res.prompt_indices],
+                                                res.token_ids, res.finish_reasons, totals)
         totals["num_prompt_tokens"] += sum(len(it.prompt_ids) for it in items)  # prefilled once per prompt
-        totals["num_samples"] += len(res)
-        totals["num_truncated"] += sum(r == "length" for r in res.finish_reasons)
         payloads = []
         for i, it in enumerate(items):
             idx = list(res.for_prompt(i))
@@ -64,6 +50,30 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
     groups = dynamic_sample(draw, cfg.grpo.num_prompts_per_step, cfg.grpo.advantage)
     totals.update(num_groups_dropped=groups.num_dropped, sampling_rounds=groups.rounds)
     return groups, totals
+
+
+def score_samples(cfg: Config, reward_fn, tokenizer, items: list, token_ids: list[list[int]], finish_reasons: list[str],
+                  totals: dict) -> tuple[list[float], list[str], list]:
+    """Score samples (one prompt item per sample): (rewards, texts, what the verifier read), with DAPO's overlong
+    punishment applied; the counters go into `totals`."""
+    texts = [tokenizer.decode(t) for t in token_ids]
+    t0 = time.perf_counter()
+    rewards, rstats = reward_fn.score(items, texts, token_ids=token_ids)
+    totals["reward_s"] = totals.get("reward_s", 0.0) + time.perf_counter() - t0
+    answers = rstats.get("answers") or [None] * len(texts)  # what the verifier read, for samples.jsonl
+    max_new = cfg.generation.max_new_tokens
+    if cfg.reward.overlong_buffer_len > 0:  # DAPO soft overlong punishment, before advantages see the rewards
+        pens = [overlong_penalty(len(t), max_new, cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty)
+                for t in token_ids]
+        rewards = [r + p for r, p in zip(rewards, pens)]
+        totals["num_overlong_penalized"] = totals.get("num_overlong_penalized", 0) + sum(p < 0 for p in pens)
+    for k, v in rstats.items():
+        if isinstance(v, (int, float)):
+            totals[k] = totals.get(k, 0) + v
+    totals["num_generated_tokens"] = totals.get("num_generated_tokens", 0) + sum(len(t) for t in token_ids)
+    totals["num_samples"] = totals.get("num_samples", 0) + len(token_ids)
+    totals["num_truncated"] = totals.get("num_truncated", 0) + sum(r == "length" for r in finish_reasons)
+    return list(rewards), texts, answers
 
 
 def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
@@ -81,6 +91,9 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
             loss_mask = Sample(*sample).loss_mask  # multi-turn (episodes.py): observations are not trained
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
+                continue
+            if loss_mask is not None and not bool(loss_mask.any()):  # nothing left to train (in-flight: too stale)
+                stats["num_fully_masked"] = stats.get("num_fully_masked", 0) + 1
                 continue
             if cfg.grpo.overlong_filter and finish == "length":
                 stats["num_overlong_filtered"] = stats.get("num_overlong_filtered", 0) + 1

@@ -32,12 +32,14 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.output.dir) / "checkpoints"
 
 
-def save(cfg: Config, c, root: Path, step: int, pending: list[dict] | None = None) -> None:
+def save(cfg: Config, c, root: Path, step: int, pending: list[dict] | None = None,
+         stream_state: dict | None = None) -> None:
     """Checkpoint `step`: the policy's state plus the driver's (the data stream's position, Python's random state,
-    async GRPO's rollouts already sampled for later steps); only the newest checkpoint.keep_last are kept."""
+    async GRPO's rollouts already sampled for later steps); only the newest checkpoint.keep_last are kept.
+    `stream_state`: the stream's position taken with `pending` (in-flight rollouts draw prompts meanwhile)."""
     from megatron_rl.distributed.worker_group import WorkerDiedError
 
-    state = {"step": step, "stream": c.train_stream.state_dict(), "py_random": list(random.getstate()[1]),
+    state = {"step": step, "stream": stream_state if stream_state is not None else c.train_stream.state_dict(), "py_random": list(random.getstate()[1]),
              "pending_rollouts": pending or []}
     path = root / f"step_{step}"
     try:

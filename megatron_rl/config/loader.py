@@ -275,8 +275,10 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     from megatron_rl.config.reward_model import validate_reward_model
     from megatron_rl.config.ppo_rules import validate_ppo
     from megatron_rl.config.supervised_rules import validate_supervised
+    from megatron_rl.config.inflight_rules import validate_inflight
 
     validate_supervised(cfg)
+    validate_inflight(cfg)
     validate_distillation(cfg)
     validate_reward_model(cfg)
     validate_ppo(cfg)

@@ -207,6 +207,11 @@ class GRPOConfig:
     # 0: synchronous (generate, train, refit). k >= 1: the engines generate the rollout of step s + k while step s
     # trains (disaggregated placement only); no trained sample is more than k weight versions old
     max_staleness: int = 0
+    # with max_staleness >= 1: the refit lands in the engines between two decode steps, requests keep running
+    # (algorithms/inflight_rollouts.py); every token carries the version of the weights that produced it
+    inflight_weight_updates: bool = False
+    inflight_kv_cache: Literal["keep", "recompute"] = "keep"  # the running requests' KV cache at an in-flight refit
+    partial_rollouts: bool = False  # a step takes the groups that finished first; the rest generate on into later steps
     # leave sequences with advantage exactly 0 out of the training passes where that leaves the update unchanged
     # (no KL term, entropy bonus or MoE aux loss; algorithms/trainable.py): the same gradient, fewer FLOPs
     skip_zero_advantage: bool = True

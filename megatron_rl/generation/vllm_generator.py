@@ -26,6 +26,7 @@ import torch
 
 from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationResult, Generator, StaleWeightsError
+from megatron_rl.generation.requests import RequestQueue
 from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
 from megatron_rl.platform import get_platform
 from megatron_rl.weights.manifest import RefitError, RefitHandle, validate_manifest
@@ -103,7 +104,7 @@ class VLLMGenerator(Generator):
         self._asleep: set[str] = set()
         self._llm = None
         self._sender = None  # for update_weights (in-process refits): the transport's arena lives with the engine
-        self._pending: dict[str, str] = {}  # multi-turn requests in flight: request id -> the caller's key
+        self._requests = RequestQueue(self)  # submitted requests (multi-turn, in-flight rollouts)
         self._adapter = None  # lora_serving.ServedAdapter when serving adapters
         cpu = not self.platform.is_gpu
         if cpu and config.tp != 1:
@@ -220,87 +221,27 @@ class VLLMGenerator(Generator):
                         "tokens_per_s": result.num_generated_tokens / max(elapsed, 1e-9)}
         return result
 
-    # ------------------------------------------------------------------------------------------ multi-turn requests
-    def submit(self, requests: list[tuple[str, list[int], int]], *, temperature: float, top_p: float, top_k: int,
-               stop: list[str] | None = None) -> None:
-        """Queue single-sample requests (key, prompt ids, max new tokens) without waiting for them: `poll` runs the
-        engine and returns each as it finishes. A multi-turn rollout (`algorithms/multiturn.py`) submits a
-        trajectory's next turn as soon as its environment answered, so the engine's continuous batching keeps every
-        ready trajectory in flight, and its prefix cache holds each conversation from turn to turn (the next turn's
-        prompt is the previous one plus what was generated and observed)."""
-        from vllm import SamplingParams
+    # ------------------------------------------------------------------------------- requests without waiting
+    # multi-turn rollouts and in-flight weight updates: generation/requests.py
+    def submit(self, requests: list[tuple[str, list[int], int]], **sampling) -> None:
+        self._requests.submit(requests, **sampling)
 
-        # GPU: the same LLMEngine calls, with vLLM's engine core in its own process (multiprocessing on) instead of
-        # in-process as on CPU; no CPU test runs that client. add_request/step/abort_request are its public API on
-        # both, and the CPU tests (tests/integration/test_multiturn.py, in-process and through the Ray actor) check
-        # what this code does with them: the order of turns, the keys, the abort on failure.
-        self._check_usable()
-        self._check_filtering(temperature, top_p, top_k)
-        engine = self._llm.llm_engine
-        for key, prompt, max_tokens in requests:
-            params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0
-                                    else 0, max_tokens=max_tokens, stop=list(stop) if stop else None, logprobs=0,
-                                    # the stop string stays in the text, so the text is what the ids say (a
-                                    # stop string cut from the text but not from the ids is a retokenization trap)
-                                    detokenize=bool(stop), include_stop_str_in_output=True)
-            rid = f"mt-{key}"
-            if rid in self._pending:
-                raise ValueError(f"request {key!r} is already running on this engine")
-            engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, params,
-                               lora_request=self._lora_request())
-            self._pending[rid] = key
-
-    def poll(self, max_s: float = 0.5) -> list[tuple[str, list[int], list[float], str]]:
-        """Run the engine until at least one submitted request finishes (or `max_s` passes, or none is left; at
-        least one engine step whenever something is pending, so a caller polling with max_s=0 still progresses);
-        returns the finished ones as (key, token ids, logprobs, finish reason)."""
-        self._check_usable()
-        pending = self._pending
-        engine = self._llm.llm_engine
-        done, t0 = [], time.perf_counter()
-        with self._generation_threads():
-            first = True
-            while pending and not done and (first or time.perf_counter() - t0 < max_s):
-                first = False
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    key = pending.pop(out.request_id, None)
-                    if key is None:
-                        raise RuntimeError(f"vLLM finished request {out.request_id!r}, which this engine never "
-                                           f"submitted (pending: {sorted(pending)[:5]})")
-                    c = out.outputs[0]
-                    if c.finish_reason not in FINISH_REASONS:
-                        raise RuntimeError(f"request {key} ended with {c.finish_reason!r}")
-                    ids = list(c.token_ids)
-                    done.append((key, ids, [float(pos[t].logprob) for pos, t in zip(c.logprobs, ids)],
-                                 c.finish_reason))
-        return done
+    def poll(self, max_s: float = 0.5, versions: dict | None = None) -> list[tuple[str, list[int], list[float], str]]:
+        return self._requests.poll(max_s, versions)
 
     def num_pending(self) -> int:
-        return len(self._pending)
+        return len(self._requests.pending)
 
     def abort_turns(self) -> int:
-        """Drop every submitted request that has not finished (a rollout that failed half-way must not leave its
-        turns decoding into the next one); returns how many were dropped."""
-        pending = self._pending
-        if pending and self._llm is not None:
-            self._llm.llm_engine.abort_request(list(pending))
-        n = len(pending)
-        pending.clear()
-        return n
+        return self._requests.abort()
+
+    def turns(self, requests: list[tuple[str, list[int], int]], *, sampling: dict, max_s: float = 0.5) -> dict:
+        return self._requests.turns(requests, sampling=sampling, max_s=max_s)
 
     def clear_prefix_cache(self) -> None:
         """Forget the cached KV blocks of earlier prompts (benches compare runs from the same cold start)."""
         self._check_usable()
         self._llm.reset_prefix_cache()
-
-    def turns(self, requests: list[tuple[str, list[int], int]], *, sampling: dict, max_s: float = 0.5) -> dict:
-        """`submit` then `poll` in one call (one round trip for an engine actor): {"finished": poll's list,
-        "pending": requests still running, "version": the weights they ran on}."""
-        if requests:
-            self.submit(requests, **sampling)
-        return {"finished": self.poll(max_s), "pending": self.num_pending(), "version": self._version}
 
     # ------------------------------------------------------------------------------------------------------ refit
     @property
@@ -389,11 +330,11 @@ class VLLMGenerator(Generator):
         refused = [w["refused"] for w in per_worker if "refused" in w]
         if refused:  # the workers' byte checks failed before any weight was written
             raise RefitError(refused[0])
-        # cached KV blocks of earlier prompts were computed by the old weights (a sleeping engine cleared them when
-        # it fell asleep, and its scheduler is paused: nothing to reset then)
-        if not self._asleep:
-            self._llm.reset_prefix_cache()
         self._version = handle.version
+        # cached KV blocks of earlier prompts were computed by the old weights (a sleeping engine cleared them when
+        # it fell asleep, and its scheduler is paused: nothing to reset then); running requests: requests.py
+        if not self._asleep:
+            self._requests.after_refit()
         stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
         stats.update(receive_s=time.perf_counter() - t0)
         return stats

