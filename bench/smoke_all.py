@@ -45,6 +45,8 @@ SMOKES = {
     "sft_dpo_demo": ("sft_dpo_demo", ["--smoke"], 900),
     "tool_demo": ("tool_demo", ["--smoke"], 600),
     "multiturn_bench": ("multiturn_bench", ["--smoke"], 300),
+    # three disaggregated runs of two tiny steps: synchronous, async, in-flight with partial rollouts
+    "inflight_bench": ("inflight_bench", ["--smoke"], 300),
     "sandbox_bench": ("sandbox_bench", ["--smoke"], 120),
     "code_tests_bench": ("code_tests_bench", ["--smoke"], 120),
 }

