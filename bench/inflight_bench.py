@@ -18,6 +18,8 @@ Printed per schedule: step time (median after the first), the trainer's and the 
 training steps (the trainer is busy in its logprob, training and refit phases; the engine while it decodes), generated
 tokens per second, the staleness and masking counters, and with validation (grpo.val_every, on by default here)
 held-out greedy accuracy by minute; --out keeps the runs and plots the curves to DIR/accuracy.png.
+--engine-bound: 4 prompts per step and up to 512 new tokens, so that the straggler tail outlasts the trainer's
+step (on 2 cores the demo's 8 prompts keep the trainer the slower side, and then no schedule can win much).
 --smoke: two steps of each schedule on the tiny random model (bench/smoke_model.py), 16 new tokens.
 """
 from __future__ import annotations
@@ -70,12 +72,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the step-time median")
     ap.add_argument("--smoke", action="store_true", help="two tiny steps per schedule on a tiny random model")
+    ap.add_argument("--engine-bound", action="store_true",
+                    help="4 prompts x 8 samples and up to 512 new tokens: the longest sample outlasts the training")
     ap.add_argument("--out", help="keep the runs' outputs here (default: a temporary folder) and plot the curves")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     tiny = tempfile.TemporaryDirectory()
     base = [*DISAGGREGATED, "generation.temperature=1.2", "generation.max_new_tokens=128", "grpo.val_every=5",
             "grpo.val_num_prompts=64"]
+    if args.engine_bound:
+        base += ["grpo.num_prompts_per_step=4", "generation.max_new_tokens=512"]
     if args.smoke:
         from smoke_model import tiny_model
 

@@ -221,7 +221,8 @@ class InflightPipeline:
             self.lock.notify_all()
             dropped, self.dropped = self.dropped, 0
             stale, self.stale_dropped = self.stale_dropped, 0
-            carried = len(self.groups) - len(self.finished)
+            # stragglers carried into later steps: unfinished groups admitted for this step or before
+            carried = sum(1 for gid, g in self.groups.items() if g.target <= step and gid not in self.finished)
             updates, busy = sum(self.engine_updates.values()), sum(self.engine_busy.values())
         self.wait_s = time.perf_counter() - t0
         rollout = self._rollout(step, weights_step, groups, dropped)
