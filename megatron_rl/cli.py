@@ -175,7 +175,7 @@ TRAIN_KEYS = (
     ("grpo.loss.variant grpo.loss.kl_coef", "loss: grpo | gspo | cispo; KL penalty to the reference model"),
     ("grpo.val_every", "validate every N steps on held-out prompts (0: never)"),
     ("grpo.max_staleness", "0: synchronous; k >= 1: async GRPO (needs cluster.colocated=false)"),
-    ("grpo.inflight_weight_updates grpo.partial_rollouts", "async: refits land mid-generation; carry unfinished groups"),
+    ("grpo.inflight_weight_updates grpo.partial_rollouts", "async: refits mid-generation; unfinished groups carry on"),
     ("distillation.teacher distillation.kl_coef", "on-policy distillation: a frozen teacher scores the samples"),
     ("cluster.devices_per_node cluster.num_nodes", "GPUs (CPU slots on CPU) per node, and nodes"),
     ("cluster.colocated", "trainer and vLLM share every device (true) or get devices of their own"),

@@ -15,11 +15,11 @@ Which groups a step trains:
 - partial rollouts on: prompts are admitted for the next k steps as above, but a step takes the first
   num_prompts_per_step groups that finished (in finishing order, whichever step they were admitted for); the others
   keep generating into later steps beside newly admitted prompts (a straggler no longer counts against the k steps'
-  worth: `_mark_late`), so the engines' batches stay full while the long samples finish. A straggler's earliest tokens may then be
-  older than k steps: they are masked out of the loss (counted as stale_tokens_masked; a sample with nothing left is
-  left out, and a finished group with no token fresh enough is dropped: stale_groups_dropped), so no trained token
-  is more than k steps old either way. With dynamic sampling a group without signal is dropped when it finishes and
-  another prompt is admitted in its place.
+  worth: `_mark_late`), so the engines' batches stay full while the long samples finish. A straggler's earliest
+  tokens may then be older than k steps: they are masked out of the loss (counted as stale_tokens_masked; a sample
+  with nothing left is left out, and a finished group with no token fresh enough is dropped: stale_groups_dropped),
+  so no trained token is more than k steps old either way. With dynamic sampling a group without signal is dropped
+  when it finishes and another prompt is admitted in its place.
 
 Validation needs the engines alone (`evaluate` runs whole batches): `drained()` stops admitting and lets the running
 requests finish first. Checkpoints save the prompts admitted but not yet trained (finished or not) with the data

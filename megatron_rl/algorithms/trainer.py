@@ -39,7 +39,8 @@ def save(cfg: Config, c, root: Path, step: int, pending: list[dict] | None = Non
     `stream_state`: the stream's position taken with `pending` (in-flight rollouts draw prompts meanwhile)."""
     from megatron_rl.distributed.worker_group import WorkerDiedError
 
-    state = {"step": step, "stream": stream_state if stream_state is not None else c.train_stream.state_dict(), "py_random": list(random.getstate()[1]),
+    stream = stream_state if stream_state is not None else c.train_stream.state_dict()
+    state = {"step": step, "stream": stream, "py_random": list(random.getstate()[1]),
              "pending_rollouts": pending or []}
     path = root / f"step_{step}"
     try:

@@ -141,7 +141,10 @@ class RequestQueue:
     def after_refit(self) -> None:
         """A refit has loaded (the engine's version is the new one). Cached KV blocks of earlier prompts were computed
         by the old weights: with nothing running they are all dropped (as every refit does); with requests in flight,
-        as `kv` says."""
+        as `kv` says. The same LLMEngine calls on both platforms (on GPU they reach vLLM's engine-core process); CPU:
+        every refit of tests/integration/test_generation.py (nothing running) and test_inflight.py (both modes with
+        a request running, against HF) run this, and would fail on a stale cache or a preemption that did not
+        happen."""
         llm = self.gen._llm
         if not self.pending:
             llm.reset_prefix_cache()
