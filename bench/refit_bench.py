@@ -126,6 +126,35 @@ def collective_refits(gen, model_dir: str, bucket_bytes: int, refits: int, first
             proc.kill()
 
 
+def verify_cost(gen, hf, bucket_bytes: int, pairs: int, first_version: int) -> bool:
+    """The refit check's share of a refit (weights/fingerprint.py): shared-memory refits alternately without and with
+    it, and the sender's fingerprints (computed in every refit, so timed apart over the same export)."""
+    from megatron_rl.weights.fingerprint import fingerprint_flat
+
+    times, engine_s, version = {False: [], True: []}, [], first_version
+    for _ in range(pairs):
+        for verify in (False, True):
+            gen.config.verify_refit = verify
+            st = gen.update_weights(export_buckets(hf, bucket_bytes), version=version)
+            version += 1
+            times[verify].append(st["refit_s"])
+            if verify:
+                engine_s.append(st["verify_engine_s"] + st["verify_driver_s"])
+    gen.config.verify_refit = True
+    sender = []
+    for _ in range(3):  # what the shared-memory sender adds to every refit: the fingerprints of its arena files
+        t0 = time.perf_counter()
+        for f in gen._sender._files:
+            fingerprint_flat(f.data, f.specs)
+        sender.append(time.perf_counter() - t0)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    fp_s, eng = statistics.median(sender), statistics.median(engine_s)
+    print(f"refit check: median refit {off:.3f} s without it, {on:.3f} s with it ({(on - off) / off:+.1%}, noise "
+          f"included); its parts: sender fingerprints {fp_s * 1e3:.1f} ms + engine fingerprints and driver compare "
+          f"{eng * 1e3:.1f} ms = {(fp_s + eng) / off:.1%} of the refit ({pairs} pairs)")
+    return eng > 0
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
@@ -219,9 +248,13 @@ def main(argv=None) -> int:
               f"{transport:.3f} s = {transport / warm:.1f}x warm / {transport / cold:.1f}x fresh; "
               f"engine load+re-pack {med['reload_s']:.3f} s")
         done.add("shm refit")
+        pairs = max(3, args.refits)
+        if verify_cost(gen, hf, args.bucket_mb * 2**20, pairs=pairs, first_version=args.refits + 1):
+            done.add("verify cost")
 
-        crow = collective_refits(gen, args.model, args.bucket_mb * 2**20, args.refits, args.refits + 1)
-        for v, r in enumerate(crow, start=args.refits + 1):
+        first = args.refits + 2 * pairs + 1  # after the versions the check's refits used
+        crow = collective_refits(gen, args.model, args.bucket_mb * 2**20, args.refits, first)
+        for v, r in enumerate(crow, start=first):
             print(f"collective refit v{v}: total {r['refit_s']:.3f} s = sender staging "
                   f"{r['stage_s']:.3f} + broadcast/receive {r['validate_s']:.3f} + engine load+re-pack "
                   f"{r['reload_s']:.3f} (rest: rpc/bookkeeping)")
@@ -259,7 +292,7 @@ def main(argv=None) -> int:
             print(f"transformers generate ({threads} thread(s)): {tps:.0f} tok/s ({dt:.1f} s)")
         done.add("hf generate")
     if args.smoke:
-        missing = {"shm refit", "collective refit", "vllm generate", "hf generate", "refit exact"} - done
+        missing = {"shm refit", "verify cost", "collective refit", "vllm generate", "hf generate", "refit exact"} - done
         print(f"smoke FAILED: {sorted(missing)}" if missing else "smoke ok")
         return 1 if missing else 0
     return 0

@@ -137,6 +137,9 @@ class GenerationConfig:
     # (generation/lora_serving.py, docs/lora.md "Adapter-only refit"). merged until both are measured on a quiet
     # machine (bench/refit_bench.py --lora RANK)
     lora_refit: Literal["merged", "adapter"] = "merged"
+    # every refit: each engine worker checks each tensor arrived as sent and reached a weight loader; a miss stops the
+    # step naming the tensor (weights/fingerprint.py). ~1 % of the refit's time (bench/refit_bench.py)
+    verify_refit: bool = True
 
 
 @dataclass

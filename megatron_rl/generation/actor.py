@@ -119,8 +119,12 @@ class RemoteGenerator:
         import ray
         from ray.exceptions import RayActorError
 
+        from megatron_rl.weights.manifest import RefitError
+
         try:
             return ray.get(ref)
+        except RefitError as e:  # Ray raises a subclass of the actor's error: name the engine it came from
+            raise RefitError(f"{self.name}: {getattr(e, 'cause', e)}") from None
         except RayActorError as e:
             from megatron_rl.distributed.worker_group import WorkerDiedError
 

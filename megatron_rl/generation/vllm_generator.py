@@ -29,6 +29,7 @@ from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationR
 from megatron_rl.generation.requests import RequestQueue
 from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
 from megatron_rl.platform import get_platform
+from megatron_rl.weights.fingerprint import check_refit, sent_fingerprints
 from megatron_rl.weights.manifest import RefitError, RefitHandle, validate_manifest
 from megatron_rl.weights.routing import RoutedUpdate, is_routed
 from megatron_rl.weights.collective import TRANSPORT as COLLECTIVE
@@ -322,7 +323,7 @@ class VLLMGenerator(Generator):
         try:
             # CPU: on the process's own thread count (not generation.threads): a refit is large copies and GEMM
             # re-packs, which scale with threads, unlike decoding; in the colocated loop the trainer waits meanwhile
-            per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(update,))
+            per_worker = self._llm.collective_rpc("mrl_apply_refit", args=(update, self.config.verify_refit))
         except Exception as e:
             self._version = INVALID_VERSION
             raise RefitError(f"refit v{handle.version} failed while loading; the engine's weights are "
@@ -330,14 +331,33 @@ class VLLMGenerator(Generator):
         refused = [w["refused"] for w in per_worker if "refused" in w]
         if refused:  # the workers' byte checks failed before any weight was written
             raise RefitError(refused[0])
+        try:
+            verify_s = self._verify(handle, update, per_worker)
+        except RefitError:
+            self._version = INVALID_VERSION
+            raise
         self._version = handle.version
         # cached KV blocks of earlier prompts were computed by the old weights (a sleeping engine cleared them when
         # it fell asleep, and its scheduler is paused: nothing to reset then); running requests: requests.py
         if not self._asleep:
             self._requests.after_refit()
         stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
-        stats.update(receive_s=time.perf_counter() - t0)
+        stats.update(receive_s=time.perf_counter() - t0, **verify_s)
         return stats
+
+    def _verify(self, handle: RefitHandle, update: dict, per_worker: list[dict]) -> dict:
+        """Each worker's report against the fingerprints its sender attached (`weights/fingerprint.py`); a routed
+        update's workers each loaded their own device's handle. Returns the check's seconds."""
+        t0, engine_s = time.perf_counter(), 0.0
+        routed = RoutedUpdate.from_dict(update) if is_routed(update) else None
+        for rank, w in enumerate(per_worker):
+            report = w.pop("verify", None)
+            if report is None:  # verification off, or a sender that attached no fingerprints
+                continue
+            engine_s = max(engine_s, report["engine_s"])
+            sent = sent_fingerprints((routed.by_device[report["device"]] if routed else handle).buckets)
+            check_refit(sent, report, self._optional_names, where=f"engine worker {rank}")
+        return {"verify_engine_s": engine_s, "verify_driver_s": time.perf_counter() - t0}
 
     def join_refit_groups(self, endpoints: list[dict], rank_offset: int, world_size: int) -> None:
         """Disaggregated refit: every worker of this engine joins each pipeline stage's broadcast group

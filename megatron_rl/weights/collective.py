@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.platform import get_platform
+from megatron_rl.weights.fingerprint import fingerprint_bucket
 from megatron_rl.weights.manifest import Bucket, BucketSpec, RefitHandle, as_bytes, bucket_layout, typed_views
 
 TRANSPORT = "collective"
@@ -58,11 +59,11 @@ class CollectiveSender:
         self._handle: RefitHandle | None = None
 
     def send(self, buckets, version: int) -> RefitHandle:
-        """Phase 1: the manifest of the stage's buckets (layouts only: nothing is kept)."""
+        """Phase 1: the manifest of the stage's buckets (layouts and fingerprints: nothing is kept)."""
         handle = RefitHandle(TRANSPORT, int(version))
         for bucket in buckets:
             specs, size = bucket_layout(bucket)
-            handle.buckets.append(BucketSpec(specs, size, location=str(self.stage_index)))
+            handle.buckets.append(BucketSpec(specs, size, str(self.stage_index), fingerprint_bucket(bucket)))
         self._handle = handle
         return handle
 

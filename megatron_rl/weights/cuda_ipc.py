@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from megatron_rl.platform import get_platform
+from megatron_rl.weights.fingerprint import fingerprint_flat
 from megatron_rl.weights.manifest import (Bucket, BucketSpec, RefitError, RefitHandle, as_bytes, bucket_layout,
                                           typed_views)
 
@@ -38,7 +39,7 @@ class CudaIpcSender:
             self._keepalive.append(flat)
             _rebuild, args = reduce_tensor(flat)
             # pickled here so the handle stays plain bytes for msgpack-based RPC (vLLM multiprocess executors)
-            handle.buckets.append(BucketSpec(specs, size, pickle.dumps({uuid_: args})))
+            handle.buckets.append(BucketSpec(specs, size, pickle.dumps({uuid_: args}), fingerprint_flat(flat, specs)))
         torch.cuda.synchronize(device)  # the receiver reads on another stream/process: data must be complete
         return handle
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from megatron_rl.platform import get_platform
+from megatron_rl.weights.fingerprint import fingerprint_flat
 from megatron_rl.weights.manifest import (Bucket, BucketSpec, RefitError, RefitHandle, TensorSpec, as_bytes,
                                           bucket_layout, typed_views)
 
@@ -155,7 +156,7 @@ class SharedMemorySender:
             specs, size = bucket_layout(bucket)
             f = self._arena_file(k, specs, size)
             f.write(bucket, int(version))
-            handle.buckets.append(BucketSpec(specs, size, f.path))
+            handle.buckets.append(BucketSpec(specs, size, f.path, fingerprint_flat(f.data, specs)))
             count = k + 1
         for f in self._files[count:]:
             f.close()

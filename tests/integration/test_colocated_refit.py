@@ -159,6 +159,47 @@ def _logprob_error(res, prompts, model) -> float:
 
 
 @pytest.mark.parametrize("parts", [("fp32", "tp")], indirect=True, ids=["fp32-tp"])  # nor on dtype or split
+def _skip_in_engine(name):
+    """Runs in an engine actor (Ray's `__ray_call__`): its model's `load_weights` drops `name` from what it receives,
+    as a loader that does not map a renamed tensor would (None: removes that again). No hook in the product code."""
+    def inject(actor):
+        model = actor.engine._llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+        model.__dict__.pop("load_weights", None)
+        if name is not None:
+            inner = model.load_weights
+            model.load_weights = lambda weights: inner((n, t) for n, t in weights if n != name)
+    return inject
+
+
+def test_refit_that_skips_a_tensor_stops_the_step(parts):
+    """Verified refits through the loop (weights/fingerprint.py): an engine whose loader skips one tensor stops the
+    GRPO step with a RefitError naming the engine and the tensor; once mended, a refit and a step go through."""
+    import ray
+
+    from megatron_rl.weights.manifest import RefitError
+
+    cfg, c, _ = parts
+    skipped = "model.layers.0.mlp.up_proj.weight"
+    bad = c.generator.engines[1]
+    ray.get(bad.actor.__ray_call__.remote(_skip_in_engine(skipped)))
+    version = c.handover.version
+    try:
+        with pytest.raises(RefitError, match=f"{bad.name}: refit verification failed on engine worker 0: 1 "
+                                             f"tensor.* reached no weight loader .*{skipped}"):
+            train_step(cfg, c, 10, GRPOLossFn(cfg.grpo.loss))
+    finally:
+        ray.get(bad.actor.__ray_call__.remote(_skip_in_engine(None)))
+    assert c.handover.version == version  # the failed refit did not count
+    # the other engine loaded and verified that version: a run stops here (and resumes from its checkpoint); to go
+    # on with this fixture, the next refit takes a number no engine holds
+    assert ray.get(c.generator.engines[0].actor.weight_version.remote()) == version + 1
+    c.handover.version += 1
+    c.handover.refit()
+    c.handover.to_generator()
+    rec = train_step(cfg, c, 11, GRPOLossFn(cfg.grpo.loss))
+    assert rec["grad_norm"] > 0 and c.generator.weight_version == c.handover.version == version + 3
+
+
 def test_killed_policy_rank_fails_fast_and_named(parts):
     cfg, c, _ = parts
     victim = c.policy.group.pids[1]

@@ -39,6 +39,18 @@ def _use_vllm_reload(wrapper):
     getattr(wrapper, "worker", wrapper)._mrl_resident = None
 
 
+def _skip_tensor(name):
+    """A fault injected into the engine's worker: its model's `load_weights` drops `name` from what it receives (as
+    a loader that does not map a renamed tensor would); None removes it again."""
+    def inject(wrapper):
+        model = getattr(wrapper, "worker", wrapper).model_runner.get_model()
+        model.__dict__.pop("load_weights", None)
+        if name is not None:
+            inner = model.load_weights
+            model.load_weights = lambda weights: inner((n, t) for n, t in weights if n != name)
+    return inject
+
+
 def greedy(gen, max_tokens=16):
     r = gen.generate(PROMPTS, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
     return r.token_ids
@@ -216,6 +228,62 @@ class TestUntied:
         assert len(shm_files()) == 1 and not set(shm_files()) & set(arena)
         assert_greedy_matches(greedy(gen), [hf_greedy(ref_b, p, 16) for p in PROMPTS], EOS)
 
+    def test_verified_refit_names_a_skipped_or_altered_tensor(self, gen, models):
+        """Every refit is checked tensor by tensor (weights/fingerprint.py): a tensor that reached no weight loader,
+        or arrived with other bytes than were sent, fails the refit naming it, on the shared-memory and the
+        collective transport; the next good refit serves the new weights."""
+        import threading
+
+        from megatron_rl.distributed.launch import free_port
+        from megatron_rl.weights import collective as col
+
+        skipped = "model.layers.1.self_attn.k_proj.weight"
+        good = buckets_of(models[1])
+        gen._llm.collective_rpc(_skip_tensor(skipped))
+        try:
+            with pytest.raises(RefitError, match=f"engine worker 0: 1 tensor.* reached no weight loader .*{skipped}"):
+                gen.update_weights(good, version=gen.weight_version + 1)
+            with pytest.raises(StaleWeightsError):  # undefined weights are never served
+                greedy(gen)
+
+            # the collective transport (disaggregated engines): a sender thread is rank 0 of a gloo group
+            port, box = free_port(), {}
+
+            def send():
+                sender = col.CollectiveSender(col.open_group("127.0.0.1", port, 0, 2), 0, torch.device("cpu"))
+                box["handle"] = sender.send(iter(good), version=100)
+                box["ready"].set()
+                sender.broadcast(iter(good))
+
+            box["ready"] = threading.Event()
+            t = threading.Thread(target=send, daemon=True)
+            t.start()
+            gen.join_refit_groups([{"host": "127.0.0.1", "port": port}], rank_offset=1, world_size=2)
+            assert box["ready"].wait(60)
+            assert box["handle"].transport == col.TRANSPORT
+            with pytest.raises(RefitError, match=f"reached no weight loader .*{skipped}"):
+                gen.receive_weights(box["handle"].to_dict())
+            t.join(60)
+        finally:
+            gen._llm.collective_rpc(_skip_tensor(None))
+
+        # bytes changed in transit (written into the shared-memory file behind the sender's back): named too
+        sender = SharedMemorySender()
+        try:
+            handle = sender.send(good, version=101)
+            spec = handle.buckets[1].tensors[2]
+            with open(handle.buckets[1].location, "r+b") as f:
+                f.seek(f.seek(0, 2) - handle.buckets[1].nbytes + spec.offset)  # the data follows the file's header
+                f.write(b"\x00\x00\x80\x7f")  # +inf as the tensor's first element
+            with pytest.raises(RefitError, match=f"other values than were sent: {spec.name}"):
+                gen.receive_weights(handle.to_dict())
+        finally:
+            sender.close()
+
+        stats = gen.update_weights(good, version=102)
+        assert stats["verify_engine_s"] > 0 and gen.weight_version == 102
+        assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[1]), p, 16) for p in PROMPTS], EOS)
+
 
 class TestTied:
     @pytest.fixture(scope="class")
@@ -232,11 +300,17 @@ class TestTied:
             buckets = buckets_of(models[1])  # HF's state_dict of a tied model also lists lm_head.weight
             assert any(n == "lm_head.weight" for b in buckets for n, _ in b)
             stats = gen.update_weights(buckets, version=1)
-            assert stats["resident_reload"] == (reloader == "resident")
+            # verified: every tensor but the tied alias (which vLLM's loader skips on purpose) reached a loader
+            assert stats["resident_reload"] == (reloader == "resident") and stats["verify_engine_s"] > 0
             assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[1]), p, 16) for p in PROMPTS], EOS)
             # the exact set without the alias is accepted too
             gen.update_weights(buckets_of(models[0], drop=("lm_head.weight",)), version=2)
             assert_greedy_matches(greedy(gen), [hf_greedy(hf_model(models[0]), p, 16) for p in PROMPTS], EOS)
+            # the loader trace on this reload path too (vLLM's layerwise reload buffers each call until its layer
+            # is complete): a skipped tensor is named
+            gen._llm.collective_rpc(_skip_tensor("model.norm.weight"))
+            with pytest.raises(RefitError, match="reached no weight loader .*model.norm.weight"):
+                gen.update_weights(buckets_of(models[1]), version=3)
         assert shm_files() == []
 
 

@@ -61,8 +61,9 @@ EXPECT = {
     "shared_prefix_bench": (["padded ", "shared (mask) ", "varlen ", "varlen + cascade ", "lm_head everywhere",
                              "shared (mask), megatron attention"], None),
     "phase_limits": (["fp32 matmul GFLOP/s", "decode tok/s", "memory bandwidth GB/s", "roofline:"], None),
-    "refit_bench": (["refit median after the first", "collective refit median after the first",
-                     "vLLM generate (1 thread(s))", "transformers generate (1 thread(s))"], None),
+    "refit_bench": (["refit median after the first", "refit check: median refit",
+                     "collective refit median after the first", "vLLM generate (1 thread(s))",
+                     "transformers generate (1 thread(s))"], None),
     "refit_bench_lora": (["merged refit:", "adapter refit:", "refit adapter / merged:", "decode (1 thread(s)): merged",
                           "greedy tokens after the last refit: identical"], None),
     # TRL comes from launch/requirements-cpu.lock: a missing TRL fails here (exit 3) rather than skipping
