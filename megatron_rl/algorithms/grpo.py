@@ -39,6 +39,7 @@ from megatron_rl.algorithms.trainer import save as _save
 from megatron_rl.config import Config
 from megatron_rl.distributed.parallel_dims import layout_of
 from megatron_rl.platform import device_telemetry
+from megatron_rl.policy.interface import TokenScoring
 
 # multi-turn rollouts' own metrics (episodes.py); env_error_first is the first failure's "trajectory: kind: detail"
 MULTITURN_METRICS = ("turns_mean", "tool_calls_mean", "env_errors", "env_error_first", "observation_tokens", "env_s")
@@ -92,7 +93,10 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     `before_train(batch, rollout, rec)`, when given, runs between the rollout and the policy's turn: PPO's critic turn
     (algorithms/ppo.py), which puts per-token advantages on the batch; it returns False for a step that trains no
     policy (the critic's warm-up): the policy and the engines' weights stay as they are."""
-    T = cfg.generation.temperature
+    g = cfg.generation
+    # what the engine sampled from (temperature, top-k, top-p): the policy's logprobs describe the same distribution
+    # (policy/sampling_filter.py); the teacher's are its plain softmax at that temperature
+    T = TokenScoring(g.temperature, g.top_k, g.top_p)
     t_step = time.perf_counter()
     if rollout is None:
         rollout = sample_step(cfg, c, step, step - 1 if weights_step is None else weights_step)
@@ -137,9 +141,9 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
         c.handover.to_teacher()
         if cfg.distillation.topk > 0:
             k = cfg.distillation.topk
-            batch.teacher_topk_ids, batch.teacher_topk_logprobs = c.teacher.topk_logprobs(batch, k, T)
+            batch.teacher_topk_ids, batch.teacher_topk_logprobs = c.teacher.topk_logprobs(batch, k, T.temperature)
         else:
-            batch.teacher_logprobs = c.teacher.logprobs(batch, T)
+            batch.teacher_logprobs = c.teacher.logprobs(batch, T.temperature)
         rec["time_teacher_s"] = time.perf_counter() - t0
     if before_train is not None and not before_train(batch, roll, rec):
         rec.update(skipped=False, no_trainable_groups=False, policy_trained=False)

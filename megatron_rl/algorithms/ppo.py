@@ -29,6 +29,7 @@ from megatron_rl.algorithms.grpo import GRPO
 from megatron_rl.algorithms.ppo_loss import ADVANTAGES, OLD_VALUES, RETURNS, PPOPolicyLossFn, ValueLossFn
 from megatron_rl.algorithms.trainer import CheckpointSaveError, checkpoint_root, run_loop
 from megatron_rl.config import Config
+from megatron_rl.policy.interface import TokenScoring
 
 CRITIC_DIR = "critic"  # under the checkpoint root: critic/step_N beside the policy's step_N
 
@@ -41,7 +42,8 @@ def critic_turn(cfg: Config, c, batch, seq_rewards: list[float], value_loss_fn) 
     mask = batch.trained_mask().bool()
     kl = None
     if cfg.ppo.kl_in_reward:  # the policy's two passes first: the KL of each sampled token to the reference
-        T = cfg.generation.temperature
+        g = cfg.generation
+        T = TokenScoring(g.temperature, g.top_k, g.top_p)  # the engine's sampling rule (policy/sampling_filter.py)
         c.handover.to_trainer()
         batch.old_logprobs = c.policy.logprobs(batch, T)
         batch.ref_logprobs = c.policy.reference_logprobs(batch, T)

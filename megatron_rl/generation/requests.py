@@ -67,7 +67,6 @@ class RequestQueue:
 
         gen = self.gen
         gen._check_usable()
-        gen._check_filtering(temperature, top_p, top_k)
         if kv is not None:
             if kv not in KV_MODES:
                 raise ValueError(f"kv={kv!r}: expected one of {KV_MODES}")

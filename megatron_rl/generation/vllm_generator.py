@@ -7,11 +7,11 @@ platforms (see `sleep`); only the GPU worker's memory release has not run here (
 
 A plain class on purpose: the Ray layer wraps it in an actor; nothing here knows about Ray.
 
-Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, which in vLLM 0.32 is log_softmax of the
-logits after temperature scaling (and after top-k/top-p masking, which the worker extension undoes for the V1 and the
-V2 model runner's sampler, see `worker_extension._install_untruncated_logprobs`). So each returned logprob is
-log_softmax(logits / T)[token], the quantity the trainer recomputes; the default `raw_logprobs` would be
-log_softmax(logits) regardless of T. Greedy requests (T=0) return log_softmax(logits).
+Logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, which in vLLM 0.32 (both model runners' samplers)
+is log_softmax of the logits after temperature scaling and after top-k/top-p masking: the log-probability of the token
+under the distribution it was sampled from, which the trainer recomputes with the same filter
+(`policy/sampling_filter.py`); the default `raw_logprobs` would be log_softmax(logits) regardless of T and filter.
+Greedy requests (T=0) return log_softmax(logits).
 """
 from __future__ import annotations
 
@@ -170,27 +170,17 @@ class VLLMGenerator(Generator):
             self._adapter = lora_serving.ServedAdapter(self._llm)
 
         self._setup = self._llm.collective_rpc("mrl_setup")
-        self._untruncated_logprobs = all(s["untruncated_logprobs"] for s in self._setup)
         self._ckpt_shapes = checkpoint_tensor_shapes(self.model_path)
         hf_config = self._llm.llm_engine.model_config.hf_text_config
         # a tied model's checkpoint has no lm_head.weight; an export may still carry it (vLLM skips it on load)
         self._optional_names = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
 
     # -------------------------------------------------------------------------------------------------- generation
-    def _check_filtering(self, temperature: float, top_p: float, top_k: int | None) -> None:
-        """Refuse top-k/top-p where the worker extension could not hook the engine's sampler: its logprobs would be
-        renormalised over the kept tokens, not the log_softmax(logits / T) the trainer recomputes."""
-        filtering = (top_k is not None and top_k > 0) or top_p < 1.0
-        if filtering and temperature > 0 and not self._untruncated_logprobs:
-            raise ValueError("top-k/top-p sampling is not supported by this vLLM runner with untruncated logprobs; "
-                             "use top_k=-1, top_p=1.0")
-
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, temperature: float, top_p: float, top_k: int,
                  max_tokens: int, stop: list[str] | None = None, seed: int | None = None) -> GenerationResult:
         from vllm import SamplingParams
 
         self._check_usable()
-        self._check_filtering(temperature, top_p, top_k)
         params = SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k and top_k > 0 else 0,
             max_tokens=max_tokens, stop=list(stop) if stop else None, seed=seed, logprobs=0,

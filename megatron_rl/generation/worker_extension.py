@@ -9,7 +9,6 @@ travel through the transport instead. Method names carry an `mrl_` prefix so the
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 
 import torch
@@ -22,85 +21,11 @@ from megatron_rl.weights.routing import RoutedUpdate, is_routed
 from megatron_rl.weights.transport import open_buckets, verify_after_load
 
 
-def _install_untruncated_logprobs(sampler) -> bool:
-    """Make the returned logprobs log_softmax(logits / T) even when top-k/top-p filtering is active.
-
-    With `logprobs_mode="processed_logprobs"` both of vLLM 0.32's samplers return log_softmax of the logits after
-    temperature AND after top-k/top-p masking, i.e. log-probs renormalised over the kept tokens. Without filtering that
-    is exactly log_softmax(logits / T); with filtering it is not what the trainer recomputes, so each sampler gets a
-    hook that hands back the logits as they were just before the mask. vLLM picks the sampler by model runner: the V1
-    runner (CPU, or GPU without Triton) has a `topk_topp_sampler` module; the V2 runner, vLLM's default on GPU, has
-    none and masks inside `Sampler._sample_random`. Returns False for a sampler neither hook fits: the generator then
-    refuses top-k/top-p requests instead of returning differently-defined logprobs.
-    """
-    if getattr(sampler, "topk_topp_sampler", None) is not None:
-        return _install_untruncated_v1(sampler.topk_topp_sampler)
-    return _install_untruncated_v2(sampler)
-
-
-def _install_untruncated_v1(module) -> bool:
-    """V1 runner: the top-k/top-p module receives the temperature-scaled logits before it masks them (in place), so
-    the log-softmax is taken there first."""
-    if not callable(getattr(module, "forward", None)):
-        return False
-    if getattr(module, "_mrl_untruncated", False):
-        return True
-    original = module.forward
-
-    def forward(logits, generators, k, p):
-        # k/p are None when no request in the batch filters: then the module's own result is already untruncated
-        lp = logits.log_softmax(dim=-1, dtype=torch.float32) if (k is not None or p is not None) else None
-        sampled, processed = original(logits, generators, k, p)
-        return sampled, (lp if lp is not None else processed)
-
-    module.forward = forward  # nn.Module.__call__ dispatches to the instance attribute
-    module._mrl_untruncated = True
-    return True
-
-
-_V2_SAMPLE_ARGS = ("processed_logits", "top_k", "top_p", "use_fused_sampler")
-
-
-def _install_untruncated_v2(sampler) -> bool:
-    """V2 runner (`vllm/v1/worker/gpu/sample/sampler.py`): `sample` applies temperature, then `_sample_random`
-    masks the logits (in place with Triton) and returns the masked tensor, from which `__call__` computes the
-    logprobs (`compute_topk_scores` takes the log-softmax itself). Returning a copy taken before the mask gives
-    log_softmax(logits / T) while the token is still drawn from the masked logits."""
-    original = getattr(sampler, "_sample_random", None)
-    if original is None or getattr(sampler, "_mrl_untruncated", False):
-        return original is not None
-    try:
-        signature = inspect.signature(original)
-    except (TypeError, ValueError):
-        return False
-    if not all(a in signature.parameters for a in _V2_SAMPLE_ARGS):
-        return False  # a sampler of another shape: refuse filtering rather than guess
-    if getattr(sampler, "return_sampling_mask", False):
-        return False  # vLLM builds its sampling mask from the masked logits this hook would replace
-
-    def _sample_random(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        a = bound.arguments
-        # no filter in the batch: nothing is masked. The fused samplers (FlashInfer, XPU) draw without masking the
-        # tensor and are only chosen when no processed logprobs are asked for.
-        if (a["top_k"] is None and a["top_p"] is None) or a["use_fused_sampler"]:
-            return original(*args, **kwargs)
-        before_mask = a["processed_logits"].clone()
-        sampled, _ = original(*bound.args, **bound.kwargs)
-        return sampled, before_mask
-
-    sampler._sample_random = _sample_random  # an instance attribute shadows the class's method
-    sampler._mrl_untruncated = True
-    return True
-
-
 class RefitWorkerExtension:
-    """Refit and sampling hooks of the generator, executed in each vLLM worker."""
+    """The generator's refit and memory hooks, executed in each vLLM worker."""
 
     def mrl_setup(self) -> dict:
-        sampler = getattr(self.model_runner, "sampler", None)
         return {
-            "untruncated_logprobs": sampler is not None and _install_untruncated_logprobs(sampler),
             "device": str(getattr(self, "device", "cpu")),
             "device_id": self._mrl_device_id(),
         }

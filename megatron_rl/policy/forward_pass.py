@@ -155,28 +155,36 @@ class ForwardPass:
         return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
                      packed_seq_params=batching.packed_on(mb.packed, self.device)), view
 
-    def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature: float):
+    def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature):
         """(logprobs, entropy) per token of the last stage's output: hidden states [b, s, h] after a fused head's
         forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits.
+        `temperature`: a float, or the engine's whole sampling rule (`sampling_filter.TokenScoring`): with top-k /
+        top-p the logprobs are those of the filtered distribution the engine sampled from (the entropy is not).
         A value model's output is [b, s, 1], its values: they stand where logprobs do (entropy 0)."""
         from kernels import linear_token_logprobs, token_logprobs_and_entropy
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.policy.sampling_filter import as_scoring, filter_logprobs
+
         if self.value_model:
             values = output[..., 0].float()
             return values, torch.zeros_like(values)
+        scoring = as_scoring(temperature)
         tp = self.tp_size > 1
         group = self.tp_group if tp else None
         head = self._fused_head
+        targets = targets.to(output.device)
+        start = ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0
         if head is not None and head.weight is not None:
             # the kernel sums the hidden gradient over TP, as the output layer's own backward would
-            return linear_token_logprobs(output, head.weight, targets.to(output.device), tp_group=group,
-                                         vocab_start_index=head.vocab_start, temperature=temperature,
-                                         return_entropy=True)
-        return token_logprobs_and_entropy(
-            output, targets.to(output.device), tp_group=group,
-            vocab_start_index=ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0,
-            temperature=temperature)
+            lp, ent = linear_token_logprobs(output, head.weight, targets, tp_group=group,
+                                            vocab_start_index=head.vocab_start, temperature=scoring.temperature,
+                                            return_entropy=True)
+        else:
+            head = None
+            lp, ent = token_logprobs_and_entropy(output, targets, tp_group=group, vocab_start_index=start,
+                                                 temperature=scoring.temperature)
+        return filter_logprobs(lp, output, head, targets, scoring, group, start), ent
 
     def _topk_inputs(self, output: torch.Tensor, mb: batching.MicroBatchRows, fields, flat_lp: torch.Tensor,
                      temperature: float) -> dict:
@@ -188,12 +196,13 @@ class ForwardPass:
             return {}
         from megatron.core import parallel_state as ps
 
+        from megatron_rl.policy.sampling_filter import as_scoring
         from megatron_rl.policy.topk import logprobs_at
 
         ids, teacher_lps = teacher
         tp = self.tp_size > 1
         student = logprobs_at(batching.flat(output, mb), self._fused_head, ids, batching.flat(mb.targets, mb),
-                              flat_lp, temperature, self.tp_size,
+                              flat_lp, as_scoring(temperature).temperature, self.tp_size,
                               ps.get_tensor_model_parallel_rank() * output.shape[-1] if tp else 0)
         return {"teacher_topk_logprobs": teacher_lps, "student_topk_logprobs": student}
 

@@ -77,12 +77,16 @@ class _Scorer(nn.Module):
         if score is not None:  # a value model (policy.value_head): HF's name, `score.weight`, beside `lm.`
             self.score = score
 
-    def forward(self, tokens, positions, window, targets, temperature: float, attention_mask=None, topk=None):
+    def forward(self, tokens, positions, window, targets, temperature, attention_mask=None, topk=None):
         """(logprobs, entropy) of the window's targets; with `topk` = (resp_mask [b, w], ids [n, k]), top-k
         distillation's, also the student's differentiable logprobs [n, k] at those ids of the n response positions:
         here, while the lm_head is unsharded, from the same hidden states or logits as the sampled token's."""
         from kernels import linear_token_logprobs, token_logprobs_and_entropy
 
+        from megatron_rl.policy.sampling_filter import as_scoring, filter_logprobs
+
+        scoring = as_scoring(temperature)  # a float, or the engine's top-k / top-p too (ForwardPass._token_stats)
+        temperature = scoring.temperature
         out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
                                     use_cache=False)
         hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
@@ -107,12 +111,13 @@ class _Scorer(nn.Module):
                 scored = torch.tanh(scored / cap) * cap
             lp, ent = token_logprobs_and_entropy(scored, targets, temperature=temperature, vocab_start_index=start,
                                                  **tp)
+        rows = SimpleNamespace(weight=weight, vocab_start=start) if fused else None  # topk.py's fused-head shape
+        lp = filter_logprobs(lp, scored, rows, targets, scoring, self.tp_group, start)
         if topk is None:
             return lp, ent
         from megatron_rl.policy.topk import logprobs_at
 
         resp, ids = topk
-        rows = SimpleNamespace(weight=weight, vocab_start=start) if fused else None  # topk.py's fused-head shape
         tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         return lp, ent, logprobs_at(scored[resp], rows, ids, targets[resp], lp[resp], temperature, tp_size, start,
                                     tp_group=self.tp_group)

@@ -90,6 +90,24 @@ class RolloutBatch:
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 
 
+@dataclass(frozen=True)
+class TokenScoring:
+    """How the engine sampled, which the policy's token logprobs must describe (policy/sampling_filter.py): passed
+    wherever a bare temperature is accepted (logprobs, reference_logprobs, train)."""
+    temperature: float = 1.0
+    top_k: int = -1  # <= 0: no top-k filter
+    top_p: float = 1.0  # >= 1: no top-p filter
+    max_kept: int = 1024  # top-p alone: how many of the most likely tokens are looked at
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def as_scoring(t) -> TokenScoring:
+    return t if isinstance(t, TokenScoring) else TokenScoring(float(t))
+
+
 @dataclass
 class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)  # loss, kl, clip_frac, entropy, grad_norm, lr, ...

@@ -36,10 +36,12 @@ def _logit_blocks(output: torch.Tensor, head, vocab_start: int, temperature: flo
 
 @torch.no_grad()
 def vocab_topk(output: torch.Tensor, head, k: int, temperature: float, tp_group=None, vocab_start: int = 0,
-               block: int = VOCAB_BLOCK):
+               block: int = VOCAB_BLOCK, scaled: bool = False):
     """(ids [..., k] long, logprobs [..., k] fp32) of the k most likely ids at each position (module doc), scored
     `block` vocabulary columns at a time: a running max and sum of exponentials make the log-normaliser (rescaled
-    when the max grows), and each block's top-k is merged into a running top-k."""
+    when the max grows), and each block's top-k is merged into a running top-k. `scaled`: (ids, logits / T of them,
+    the log-normaliser [..., 1]) instead, the values exactly as each block computed them (policy/sampling_filter.py
+    compares them with the same blocks recomputed)."""
     m = s = vals = ids = None
     for z, start in _logit_blocks(output, head, vocab_start, temperature, block):
         bm = z.max(-1, keepdim=True).values
@@ -72,7 +74,7 @@ def vocab_topk(output: torch.Tensor, head, k: int, temperature: float, tp_group=
         vals, ids = torch.cat(all_vals, -1), torch.cat(all_ids, -1)
         best = vals.topk(k, dim=-1)
         vals, ids = best.values, ids.gather(-1, best.indices)
-    return ids, vals - lse
+    return (ids, vals, lse) if scaled else (ids, vals - lse)
 
 
 def logprobs_at(flat_output: torch.Tensor, head, ids: torch.Tensor, targets: torch.Tensor,

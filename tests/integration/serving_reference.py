@@ -11,11 +11,16 @@ import torch
 
 
 @torch.no_grad()
-def hf_logprobs(model, prompt, tokens, temperature):
-    """log_softmax(logits / T) of `tokens` continuing `prompt`: what a trainer computes for the sampled tokens."""
+def hf_logprobs(model, prompt, tokens, temperature, top_k: int = -1, top_p: float = 1.0):
+    """log_softmax(logits / T) of `tokens` continuing `prompt`: what a trainer computes for the sampled tokens; with
+    `top_k` / `top_p`, of the filtered distribution the sampler drew them from (tests/unit/test_sampling_filter.py's
+    plain-torch definition)."""
+    from tests.unit.test_sampling_filter import reference_filtered_logprobs
+
     ids = torch.tensor([prompt + tokens])
     logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    filtered = reference_filtered_logprobs(logits, temperature, top_k, top_p)
+    return filtered.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 @torch.no_grad()

@@ -38,7 +38,10 @@ def test_collective_refit_serves_the_trained_weights(layout, tiny_model_factory,
         "policy.precision=fp32",  # exact agreement with the trainer below (test_colocated_refit covers bf16)
         f"output.dir={tmp_path}", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
         "generation.max_new_tokens=8", "policy.optimizer.lr=1e-3", "grpo.val_every=0", "reward.num_workers=1",
-        "generation.kv_cache_memory_mb=64"])
+        "generation.kv_cache_memory_mb=64",
+        # the engine samples under top-k / top-p: the trainer's logprobs must be the filtered distribution's too
+        # (policy/sampling_filter.py; without it this tiny model's kept mass gives ratios far from 1)
+        "generation.top_k=20", "generation.top_p=0.8"])
     c = build(cfg, tmp_path)
     try:
         c.reward_fn.close()

@@ -79,12 +79,14 @@ def test_rerun_resumes_and_matches_uninterrupted_run(full_run, model, tmp_path):
 
 def test_tensor_parallel_varlen_run_refits_exactly(tmp_path):
     """policy.tp=2 (DTensor TP, the two ranks one TP group) with varlen rows, on a Qwen2 (q/k/v biases, 2 KV heads):
-    the refit gathers the split tensors and one rank sends them; the engine's logprobs equal the trainer's."""
+    the refit gathers the split tensors and one rank sends them; the engine's logprobs equal the trainer's, sampled
+    under top-k 20 / top-p 0.8 (the trainer applies the same filter over its vocabulary shards: sampling_filter.py)."""
     from megatron_rl.models.tiny import write_tiny_with_tokenizer
 
     model = write_tiny_with_tokenizer(tmp_path / "model", "qwen2", seed=5)
     out = tmp_path / "tp2"
-    train(out, model, "grpo.max_steps=2", "policy.tp=2", "policy.packing=varlen", "generation.max_new_tokens=24")
+    train(out, model, "grpo.max_steps=2", "policy.tp=2", "policy.packing=varlen", "generation.max_new_tokens=24",
+          "generation.top_k=20", "generation.top_p=0.8")
     steps = [x for x in records(out) if "reward_mean" in x]
     assert [x["step"] for x in steps] == [1, 2]
     for x in steps:

@@ -84,15 +84,21 @@ class TestUntied:
     def test_logprobs_are_log_softmax_of_logits_over_temperature(self, gen, models):
         ref = hf_model(models[0])
         plain = gen.generate(PROMPTS, n=3, temperature=T, top_p=1.0, top_k=-1, max_tokens=12, seed=7)
-        # top-k/top-p filtering must not renormalise the returned logprobs (vLLM's processed_logprobs would)
+        # with top-k/top-p the logprobs are the filtered distribution's, renormalised over the kept tokens (what
+        # the trainer recomputes, policy/sampling_filter.py)
         filtered = gen.generate(PROMPTS, n=2, temperature=T, top_p=0.8, top_k=20, max_tokens=12, seed=7)
-        for res, n in ((plain, 3), (filtered, 2)):
+        moved = 0.0
+        for res, n, rule in ((plain, 3, (-1, 1.0)), (filtered, 2, (20, 0.8))):
             assert len(res) == len(PROMPTS) * n and res.n == n and res.weight_version == 0
             assert res.prompt_indices == [i for i in range(len(PROMPTS)) for _ in range(n)]
             for k, (ids, lps) in enumerate(zip(res.token_ids, res.logprobs)):
                 assert len(ids) == len(lps) > 0
-                expect = hf_logprobs(ref, PROMPTS[res.prompt_indices[k]], ids, T)
+                expect = hf_logprobs(ref, PROMPTS[res.prompt_indices[k]], ids, T, *rule)
                 torch.testing.assert_close(torch.tensor(lps), expect, atol=1e-4, rtol=0)
+                if rule[0] > 0:
+                    moved = max(moved, float((expect - hf_logprobs(ref, PROMPTS[res.prompt_indices[k]], ids, T))
+                                             .abs().max()))
+        assert moved > 1e-2  # the filter changed the logprobs: the filtered check is not the plain one
         # processed logprobs at T differ from T=1 ones by far more than the tolerance: the check above has teeth
         k0 = plain.token_ids[0]
         assert (hf_logprobs(ref, PROMPTS[0], k0, 1.0) - torch.tensor(plain.logprobs[0])).abs().max() > 1e-2

@@ -1,10 +1,12 @@
-"""top-k/top-p logprobs with vLLM 0.32's V2 model runner, checked on CPU (issue 54, item 1).
+"""top-k/top-p logprobs with vLLM 0.32's V2 model runner, checked on CPU (issues 54 and 58).
 
 On a GPU with Triton vLLM runs its V2 model runner, whose sampler (`vllm/v1/worker/gpu/sample/sampler.py`) has no
 `topk_topp_sampler` module and returns the logprobs of the top-k/top-p-masked logits. The CPU engine runs the V1
 runner, so the integration tests never see that sampler: here vLLM's own runner decision is evaluated for a GPU
 host, and vLLM's real V2 `Sampler` is built on CPU. Only its Triton kernels (temperature, Gumbel draw) are replaced
-by torch equivalents; the masking (`apply_top_k_top_p`, torch path) and the control flow are vLLM's.
+by torch equivalents; the masking (`apply_top_k_top_p`, torch path) and the control flow are vLLM's. Both runners
+return the filtered distribution's logprobs, which the trainer recomputes (policy/sampling_filter.py); until issue
+58 a hook in the worker undid the filter on each runner instead, and the V2 hook was what a GPU review found crashing.
 """
 from __future__ import annotations
 
@@ -80,39 +82,27 @@ def _run_sample(sampler, logits):
                               np.full(2, 8, dtype=np.int32), return_logprobs=True)
 
 
-def test_extension_hooks_the_v2_sampler_and_returns_untruncated_logprobs(v2_sampler):
+def test_v2_sampler_returns_the_filtered_distribution_the_trainer_recomputes(v2_sampler):
+    """The logprobs the V2 runner returns are those of the filtered distribution (vLLM's renormalisation over the
+    kept tokens), as on the V1 runner: what `policy/sampling_filter.py` reproduces. Checked against the plain-torch
+    filtered softmax, and the trainer's filtered logprob of each sampled token equals the engine's (ratio 1)."""
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-    from megatron_rl.generation.worker_extension import RefitWorkerExtension, _install_untruncated_logprobs
+    from megatron_rl.policy.sampling_filter import TokenScoring, log_kept_mass
+    from tests.unit.test_sampling_filter import reference_filtered_logprobs
 
     assert type(v2_sampler) is Sampler and not hasattr(v2_sampler, "topk_topp_sampler")
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
-    reference = torch.log_softmax(logits / TEMPERATURE, dim=-1)  # what the trainer recomputes
-    top5 = set(logits[0].topk(5).indices.tolist())
-
-    # vLLM as is: the logprobs it would return are renormalised over the kept tokens (the defect the hook undoes)
-    _, masked = _run_sample(v2_sampler, logits)
-    assert torch.isinf(masked[0]).sum() == VOCAB - 5
-    assert not torch.allclose(masked.log_softmax(-1)[0, list(top5)], reference[0, list(top5)])
-
-    # the extension's setup, run as vLLM's worker runs it (self.model_runner.sampler is the V2 Sampler)
-    worker = RefitWorkerExtension.__new__(RefitWorkerExtension)
-    worker.model_runner = type("Runner", (), {"sampler": v2_sampler})()
-    worker.device = torch.device("cpu")
-    assert worker.mrl_setup()["untruncated_logprobs"] is True
-    assert _install_untruncated_logprobs(v2_sampler) is True  # idempotent
-
     sampled, processed = _run_sample(v2_sampler, logits)
-    torch.testing.assert_close(processed.log_softmax(-1), reference)
-    assert int(sampled[0]) in top5  # sampling itself is still filtered
-    kept_p = reference[1].exp().sort(descending=True)
-    nucleus = set(kept_p.indices[: int((kept_p.values.cumsum(0) < 0.5).sum()) + 1].tolist())
-    assert int(sampled[1]) in nucleus
-
-
-def test_v2_hook_refuses_a_sampler_returning_its_sampling_mask(v2_sampler):
-    """vLLM builds the sampling mask from the masked logits: the hook would corrupt it, so filtering is refused."""
-    from megatron_rl.generation.worker_extension import _install_untruncated_logprobs
-
-    v2_sampler.return_sampling_mask = True
-    assert _install_untruncated_logprobs(v2_sampler) is False
+    engine = processed.log_softmax(-1)  # what `Sampler.__call__` returns in processed_logprobs mode
+    assert torch.isinf(engine[0]).sum() == VOCAB - 5  # top-k 5 kept five
+    rules = [(5, 1.0), (-1, 0.5)]
+    for row, (top_k, top_p) in enumerate(rules):
+        ref = reference_filtered_logprobs(logits[row:row + 1].double(), TEMPERATURE, top_k, top_p)[0]
+        kept = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(engine[row]), kept) and int(sampled[row]) in kept.nonzero()[:, 0].tolist()
+        torch.testing.assert_close(engine[row][kept].double(), ref[kept], atol=1e-5, rtol=0)
+        y = sampled[row:row + 1].long()
+        mass, _ = log_kept_mass(logits[row:row + 1], None, y, TokenScoring(TEMPERATURE, top_k, top_p))
+        trainer = (logits[row] / TEMPERATURE).log_softmax(-1)[y] - mass
+        assert abs(float(trainer - engine[row, y])) < 1e-5
