@@ -8,7 +8,9 @@
 
 --head starts from hidden states [tokens, hidden] and the output weight [vocab, hidden] instead of logits, always
 forward + backward (gradients for both): "head_unfused" is the policy's path with policy.fused_lm_head false (the
-lm-head GEMM, then kernels.token_logprobs_and_entropy), "head_fused" its default (kernels.linear_token_logprobs).
+lm-head GEMM, then kernels.token_logprobs_and_entropy), "head_fused" its default (kernels.linear_token_logprobs),
+"head_fused_filtered" that with generation.top_k / top_p set (the trainer's filtered logprobs, two more vocabulary
+passes: docs/algorithms.md "Sampling with top-k / top-p").
 Both must return the same two gradients (the weight's is vocab-sized), so the table also gives the peak beyond them.
 
 --smoke runs the default variants (naive, fused, fused_ent) forward + backward once, each in its own subprocess
@@ -41,8 +43,9 @@ VARIANTS = {
     "fused_ent": "kernels.token_logprobs_and_entropy",
     "head_unfused": "hidden @ weight.T, then kernels.token_logprobs_and_entropy (policy.fused_lm_head: false)",
     "head_fused": "kernels.linear_token_logprobs with entropy: no [tokens, vocab] logits (the default)",
+    "head_fused_filtered": "head_fused, then the top-k 20 / top-p 0.8 filter (policy/sampling_filter.py)",
 }
-HEAD_VARIANTS = "head_unfused,head_fused"
+HEAD_VARIANTS = "head_unfused,head_fused,head_fused_filtered"
 
 
 def _rss_peak_bytes() -> int:
@@ -90,6 +93,13 @@ def _child(args) -> dict:
             else:
                 out = list(kernels.linear_token_logprobs(hidden, weight, targets, temperature=T,
                                                          return_entropy=True))
+            if args.variant == "head_fused_filtered":
+                from types import SimpleNamespace
+
+                from megatron_rl.policy.sampling_filter import TokenScoring, filter_logprobs
+
+                out[0] = filter_logprobs(out[0], hidden, SimpleNamespace(weight=weight, vocab_start=0), targets,
+                                         TokenScoring(T, 20, 0.8))
             sum((o * g).sum() for o in out).backward()
             hidden.grad = weight.grad = None
             return out
@@ -199,6 +209,10 @@ def main() -> None:
         print(f"fused / unfused: peak extra {f['peak_extra_bytes'] / u['peak_extra_bytes']:.3f}, beyond the "
               f"gradients {(f['peak_extra_bytes'] - f['grads_bytes']) / (u['peak_extra_bytes'] - u['grads_bytes']):.3f}"
               f", time {min(f['times']) / min(u['times']):.2f}")
+    if {"head_fused", "head_fused_filtered"} <= set(by):
+        f, k = by["head_fused"], by["head_fused_filtered"]
+        print(f"filtered / fused: peak extra {k['peak_extra_bytes'] / max(f['peak_extra_bytes'], 1):.3f}, time "
+              f"{min(k['times']) / min(f['times']):.2f}")
     missing = sorted(set(args.variants.split(",")) - {r["variant"] for r in rows})
     if missing:
         print(f"FAILED: {', '.join(missing)} did not run")

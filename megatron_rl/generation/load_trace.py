@@ -45,9 +45,16 @@ class LoadTrace:
             self._current = name
             if t.numel() and t.device.type != "meta":
                 start = t.data_ptr()
-                i = bisect.bisect(self._starts, start)
-                self._starts.insert(i, start)
-                self._spans.insert(i, (start, start + t.numel() * t.element_size(), name))
+                end = start + t.numel() * t.element_size()
+                # spans this tensor overlaps belong to tensors already freed (the collective transport frees each
+                # bucket once loaded, and the next may land at the same addresses): forget them
+                i = bisect.bisect_left(self._starts, end)
+                j = i
+                while j > 0 and self._spans[j - 1][1] > start:
+                    j -= 1
+                del self._starts[j:i], self._spans[j:i]
+                self._starts.insert(j, start)
+                self._spans.insert(j, (start, end, name))
             yield name, t
         self._current = None
 

@@ -56,14 +56,15 @@ def _hf_logprobs(model_dir: str, batch) -> list[torch.Tensor]:
     return out
 
 
-def _step(w, batch) -> dict:
-    """export before, logprobs and entropies, one step, export after: the fields both backends are compared on."""
+def _step(w, batch, scoring=TEMP) -> dict:
+    """export before, logprobs and entropies, one step, export after: the fields both backends are compared on.
+    `scoring`: the temperature, or a `TokenScoring` with the engine's top-k / top-p."""
     before = w.hf_state_dict()
-    lp_ent = _all(w.logprobs(batch, temperature=TEMP, with_entropy=True))
-    res = [r for r in _gather_obj(w.train(batch, grpo_loss, temperature=TEMP)) if r]
+    lp_ent = _all(w.logprobs(batch, temperature=scoring, with_entropy=True))
+    res = [r for r in _gather_obj(w.train(batch, grpo_loss, temperature=scoring)) if r]
     train_lp = _merge([r["logprobs"] for r in res])
     after = w.hf_state_dict()
-    ref = _all(w.reference_logprobs(batch, temperature=TEMP))  # the initial weights, after the step
+    ref = _all(w.reference_logprobs(batch, temperature=scoring))  # the initial weights, after the step
     return {"before": before, "logprobs": [l for l, _ in lp_ent], "entropy": [e for _, e in lp_ent],
             "metrics": res[0]["metrics"], "train_logprobs": [train_lp[i] for i in range(len(batch))],
             "after": after, "ref_logprobs": ref}
@@ -237,30 +238,35 @@ TP_CASES = {  # name: (model, policy overrides of the FSDP2 worker); each agains
     "qwen2": ("qwen2", {}),  # untied lm_head, q/k/v biases (column-parallel biases)
     "qwen2_unfused": ("qwen2", {"fused_lm_head": False}),  # vocab-split logits; the hidden gradient summed over TP
     "llama_tied_varlen": ("llama", {"packing": "varlen"}),  # tied: the vocab-split embedding is the lm_head
+    # the engine sampled under top-k / top-p: both backends score the filtered distribution (sampling_filter.py)
+    "qwen2_top_k_top_p": ("qwen2", {}),
 }
+FILTERED = {"qwen2_top_k_top_p": (20, 0.8)}
 
 
 def tp_steps(rank: int, world_size: int, model_dirs: dict, ckpt_dir: str) -> dict:
     """The same GRPO step at TP=2 (DP=1) on the megatron backend and on the FSDP2 backend (DTensor TP); then, on the
     first case, save -> step == load -> step."""
     from megatron_rl.policy.fsdp2_worker import FSDP2PolicyWorker
+    from megatron_rl.policy.interface import TokenScoring
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     out, megatron = {}, {}
     for name, (model, over) in TP_CASES.items():
         model_dir = model_dirs[model]
         batch = make_batch(json.load(open(f"{model_dir}/config.json"))["vocab_size"])
-        if model not in megatron:
+        scoring = TokenScoring(TEMP, *FILTERED[name]) if name in FILTERED else TEMP
+        if (model, scoring) not in megatron:
             m = MegatronPolicyWorker(rank, world_size, policy_cfg=dataclasses.replace(cfg(model_dir, "megatron"),
                                                                                       tp=2), max_steps=10)
             m.setup()
-            megatron[model] = _step(m, batch)
+            megatron[model, scoring] = _step(m, batch, scoring)
         c = dataclasses.replace(cfg(model_dir, "fsdp2"), tp=2, **over)
         w = FSDP2PolicyWorker(rank, world_size, policy_cfg=c, max_steps=10)
         info = w.setup()
         local = {n: tuple(p.to_local().shape) for n, p in w.model.named_parameters()}
-        out[name] = {"megatron": megatron[model], "fsdp2": _step(w, batch), "info": _gather_obj(info),
-                     "local_shapes": local}
+        out[name] = {"megatron": megatron[model, scoring], "fsdp2": _step(w, batch, scoring),
+                     "info": _gather_obj(info), "local_shapes": local}
         if "resume" not in out:
             out["resume"] = _resume(rank, world_size, w, c, batch, ckpt_dir)
     return out

@@ -217,9 +217,14 @@ def test_packed_layouts_are_what_they_claim(results):
 @pytest.mark.parametrize("case", list(fsdp2_bodies.TP_CASES))
 def test_same_grpo_step_at_tp2_on_both_backends(results, case):
     """DTensor TP on the HF projections and a vocab-split lm_head (fsdp2_tp.py) against megatron's TP=2: logprobs,
-    entropies, loss, gradient norm and every updated tensor to 1e-5; each rank holds half of every split weight."""
+    entropies, loss, gradient norm and every updated tensor to 1e-5; each rank holds half of every split weight. The
+    top-k / top-p case scores the filtered distribution on both (the function itself against a plain-torch filtered
+    softmax: tests/unit/test_sampling_filter.py), and its logprobs are not the unfiltered ones."""
     r = results[0]["tp"][case]
     meg, fs = r["megatron"], r["fsdp2"]
+    if case in fsdp2_bodies.FILTERED:
+        plain = results[0]["tp"]["qwen2"]["megatron"]["logprobs"]
+        assert min(float((f - p).max()) for f, p in zip(meg["logprobs"], plain)) > 1e-3  # the kept mass < 1
     for got, want in zip(fs["logprobs"] + fs["entropy"] + fs["train_logprobs"],
                          meg["logprobs"] + meg["entropy"] + meg["logprobs"]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

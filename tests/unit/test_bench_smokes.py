@@ -54,7 +54,7 @@ def _tool_demo_rows(out: str) -> None:
 EXPECT = {
     "plan_vs_nemo_rl": (["NeMo-RL TP1/PP2", "one-step-off speed-up"], None),
     "logprob_bench": (["forward+backward", "naive ", "fused ", "fused_ent ", "head_unfused ", "head_fused ",
-                       "fused / unfused:"], None),
+                       "head_fused_filtered ", "fused / unfused:", "filtered / fused:"], None),
     "fused_head_memory": (["228 unfused", "228 fused", "fused/unfused step growth"], None),
     "convert_bench": (["hf-to-megatron", "megatron-to-hf", "ratios vs reference (wall)", "round trip exact"], None),
     "policy_bench": (["batch: 4 x 32 tokens", "megatron-rl ", "hf+adamw ", "ratio "], None),

@@ -54,9 +54,6 @@ ALLOWED = {
     ("megatron_rl/policy/topk.py", "vocab_topk", "all_reduce"):
         _MODEL_DEVICE + " (the teacher's logit statistics over its TP vocabulary shards)",
     ("megatron_rl/policy/topk.py", "vocab_topk", "all_gather"): _MODEL_DEVICE + " (each TP shard's top-k)",
-    ("megatron_rl/policy/sampling_filter.py", "_reduce_lse", "all_reduce"):
-        _MODEL_DEVICE + " (the kept and whole-vocabulary log-normalisers over the TP shards)",
-    ("megatron_rl/policy/sampling_filter.py", "_LogKeptMass.backward", "all_reduce"): _MODEL_DEVICE + " (dL/dhidden)",
     ("megatron_rl/policy/fsdp2_tp.py", "grad_norm", "all_reduce"):
         "the sums tensor is made on the gradients' device (the rank's GPU under NCCL, CPU under gloo)",
     ("megatron_rl/policy/fsdp2_tp.py", "_CopyToTP.backward", "all_reduce"):

@@ -113,3 +113,15 @@ def test_load_trace_credits_loader_calls_and_misses_a_skipped_tensor():
     # the loaders are the model's own again, and a parameter that had none has none
     assert "weight_loader" not in model.norm.__dict__ and model.qk.weight_loader.__name__ == "qk_loader"
     assert "load_weights" not in model.__dict__
+
+
+def test_load_trace_credits_the_newest_tensor_at_reused_addresses():
+    """The collective transport frees each bucket once it is loaded, and the next one may be allocated at the same
+    addresses: a view of the new bucket's tensor is credited to it, not to a freed tensor that started there."""
+    buf = torch.zeros(64)
+    trace = LoadTrace(_Model())
+    stream = trace.feed(iter([("old.a", buf[0:8]), ("old.b", buf[8:11]), ("new", buf[0:12])]))
+    for _ in stream:
+        pass
+    assert trace._owner(buf[8:10]) == "new"  # inside the freed "old.b" too, which started later than "new"
+    assert trace._owner(buf[0:2]) == "new" and trace._owner(buf[20:22]) is None

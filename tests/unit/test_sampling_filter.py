@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_rl.distributed.launch import run_distributed
-from megatron_rl.policy.sampling_filter import TokenScoring, log_kept_mass
+from megatron_rl.policy.sampling_filter import TokenScoring, log_kept
 
-N, H, V, BLOCK = 12, 16, 96, 32  # blocks smaller than the vocabulary: the blockwise passes are exercised
+N, H, V = 12, 16, 96
 
 
 def reference_filtered_logprobs(z: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -47,21 +47,23 @@ class _Head:
         self.weight, self.vocab_start = weight, vocab_start
 
 
-def _filtered(h, w, targets, scoring, fused: bool, tp_group=None, vocab_start=0):
-    """The trainer's filtered logprob: the plain log-softmax's target entry minus the kept mass."""
+def _filtered(h, w, targets, scoring, fused: bool):
+    """(the plain log-softmax's target entry, the trainer's filtered logprob, positions cut at max_kept)."""
     z = h @ w.t()
-    lp_full = (z / scoring.temperature).log_softmax(-1).gather(-1, targets[:, None])[:, 0] if tp_group is None \
-        else None
+    lp_full = (z / scoring.temperature).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
     if fused:
-        mass, truncated = log_kept_mass(h, _Head(w, vocab_start), targets, scoring, tp_group, block=BLOCK)
+        lp, truncated = log_kept(h, _Head(w), targets, scoring)
     else:
-        mass, truncated = log_kept_mass(z, None, targets, scoring, tp_group, vocab_start, block=BLOCK)
-    return lp_full, mass, truncated
+        lp, truncated = log_kept(z, None, targets, scoring)
+    return lp_full, lp, truncated
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
 @pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (20, 1.0), (-1, 0.8)])
-def test_matches_the_sampler_filtered_softmax(fused, top_k, top_p):
+def test_matches_the_sampler_filtered_softmax(fused, top_k, top_p, monkeypatch):
+    from megatron_rl.policy import sampling_filter
+
+    monkeypatch.setattr(sampling_filter, "_ROWS_BUDGET", 5 * 21 * H)  # the fused rows in chunks of ~5 positions
     h, w, targets = _problem()
     scoring = TokenScoring(0.8, top_k, top_p)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
@@ -70,15 +72,14 @@ def test_matches_the_sampler_filtered_softmax(fused, top_k, top_p):
     ref.sum().backward()
 
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    lp_full, mass, truncated = _filtered(hh, ww, targets, scoring, fused)
-    lp = lp_full - mass
+    lp_full, lp, truncated = _filtered(hh, ww, targets, scoring, fused)
     assert truncated == 0
     torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=0)
     # on-policy: the engine's logprob of its own sample is the reference's; the ratio is 1
     ratio = torch.exp(lp.double() - ref.detach())
     assert (ratio - 1).abs().max() < 1e-5
     # the filter moved the logprobs (the kept mass is below 1), so the check is not the unfiltered one
-    assert (mass < -1e-3).any()
+    assert (lp - lp_full > 1e-3).any()
     lp.sum().backward()
     torch.testing.assert_close(hh.grad.double(), h64.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(ww.grad.double(), w64.grad, atol=1e-5, rtol=1e-4)
@@ -86,8 +87,8 @@ def test_matches_the_sampler_filtered_softmax(fused, top_k, top_p):
 
 def test_top_p_alone_counts_positions_cut_at_max_kept():
     h, w, targets = _problem()
-    _, mass, truncated = _filtered(h, w, targets, TokenScoring(0.8, -1, 0.99, max_kept=4), fused=True)
-    assert truncated > 0 and torch.isfinite(mass).all()
+    _, lp, truncated = _filtered(h, w, targets, TokenScoring(0.8, -1, 0.99, max_kept=4), fused=True)
+    assert truncated > 0 and torch.isfinite(lp).all()
 
 
 def tp2_body(rank: int, world: int):
@@ -102,15 +103,15 @@ def tp2_body(rank: int, world: int):
             hh = h.clone().requires_grad_()
             wl = w[rank * shard:(rank + 1) * shard].clone().requires_grad_()
             if fused:
-                mass, _ = log_kept_mass(hh, _Head(wl, rank * shard), targets, scoring, dist.group.WORLD, block=BLOCK)
+                lp, _ = log_kept(hh, _Head(wl, rank * shard), targets, scoring, dist.group.WORLD)
             else:
                 z_local = hh @ wl.t()
-                mass, _ = log_kept_mass(z_local, None, targets, scoring, dist.group.WORLD, rank * shard, block=BLOCK)
-            mass.sum().backward()
+                lp, _ = log_kept(z_local, None, targets, scoring, dist.group.WORLD, rank * shard)
+            lp.sum().backward()
             grad_h = hh.grad.clone()
             if not fused:  # megatron's output layer sums its input's gradient over TP
                 dist.all_reduce(grad_h)
-            out[(fused, top_k, top_p)] = (mass.detach(), grad_h, wl.grad.clone())
+            out[(fused, top_k, top_p)] = (lp.detach(), grad_h, wl.grad.clone())
     return out
 
 
@@ -120,10 +121,10 @@ def test_tp2_equals_tp1():
     for (fused, top_k, top_p), _ in results[0].items():
         scoring = TokenScoring(0.8, top_k, top_p)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        _, mass, _ = _filtered(hh, ww, targets, scoring, fused=True)
-        mass.sum().backward()
+        _, lp, _ = _filtered(hh, ww, targets, scoring, fused=True)
+        lp.sum().backward()
         for rank, r in enumerate(results):
-            m2, gh, gw = r[(fused, top_k, top_p)]
-            torch.testing.assert_close(m2, mass.detach(), atol=1e-5, rtol=0)
+            lp2, gh, gw = r[(fused, top_k, top_p)]
+            torch.testing.assert_close(lp2, lp.detach(), atol=1e-5, rtol=0)
             torch.testing.assert_close(gh, hh.grad, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(gw, ww.grad[rank * (V // 2):(rank + 1) * (V // 2)], atol=1e-5, rtol=1e-4)

@@ -88,7 +88,7 @@ def test_v2_sampler_returns_the_filtered_distribution_the_trainer_recomputes(v2_
     filtered softmax, and the trainer's filtered logprob of each sampled token equals the engine's (ratio 1)."""
     from vllm.v1.worker.gpu.sample.sampler import Sampler
 
-    from megatron_rl.policy.sampling_filter import TokenScoring, log_kept_mass
+    from megatron_rl.policy.sampling_filter import TokenScoring, log_kept
     from tests.unit.test_sampling_filter import reference_filtered_logprobs
 
     assert type(v2_sampler) is Sampler and not hasattr(v2_sampler, "topk_topp_sampler")
@@ -103,6 +103,5 @@ def test_v2_sampler_returns_the_filtered_distribution_the_trainer_recomputes(v2_
         assert torch.equal(torch.isfinite(engine[row]), kept) and int(sampled[row]) in kept.nonzero()[:, 0].tolist()
         torch.testing.assert_close(engine[row][kept].double(), ref[kept], atol=1e-5, rtol=0)
         y = sampled[row:row + 1].long()
-        mass, _ = log_kept_mass(logits[row:row + 1], None, y, TokenScoring(TEMPERATURE, top_k, top_p))
-        trainer = (logits[row] / TEMPERATURE).log_softmax(-1)[y] - mass
+        trainer, _ = log_kept(logits[row:row + 1], None, y, TokenScoring(TEMPERATURE, top_k, top_p))
         assert abs(float(trainer - engine[row, y])) < 1e-5
