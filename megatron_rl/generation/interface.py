@@ -23,9 +23,10 @@ class StaleWeightsError(RuntimeError):
 class GenerationResult:
     """Samples flattened prompt-major: sample j of prompt i is at index i * n + j.
 
-    `logprobs[k][t]` is log p(token_ids[k][t]) under the sampling distribution's temperature, i.e.
-    log_softmax(logits / T) of the model that produced the sample, with no top-k/top-p renormalisation (the value a
-    trainer recomputes for the same tokens). `finish_reasons[k]` is "stop" (EOS or a stop string) or "length".
+    `logprobs[k][t]` is log p(token_ids[k][t]) under the distribution the token was sampled from: log_softmax of the
+    logits / T of the model that produced the sample, restricted to and renormalised over the top-k / top-p kept set
+    when those filters are on (the value a trainer recomputes for the same tokens, policy/sampling_filter.py).
+    `finish_reasons[k]` is "stop" (EOS or a stop string) or "length".
     """
     token_ids: list[list[int]]
     logprobs: list[list[float]]
