@@ -35,6 +35,11 @@ class GenerationResult:
     n: int
     weight_version: int
     stats: dict = field(default_factory=dict)  # e.g. seconds, generated tokens
+    # MoE routing replay (generation/routing_capture.py): per sample, the experts the engine routed each token it ran
+    # to, [tokens, layers, k], from position `routing_start[k]` of prompt + completion (earlier prompt tokens came
+    # from the prefix cache); None unless the engine was asked to record routing
+    routed_experts: list | None = None
+    routing_start: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -95,7 +95,7 @@ def _torch_threads(n: int | None):
 
 class VLLMGenerator(Generator):
     def __init__(self, config: GenerationConfig, model_path: str, *, max_model_len: int | None = None,
-                 seed: int = 0, initial_version: int = 0, lora: dict | None = None):
+                 seed: int = 0, initial_version: int = 0, lora: dict | None = None, capture_routing: bool = False):
         """`lora` (`lora_serving.serving_spec`): serve LoRA adapters of that rank and those targets on the base
         weights, refit by `load_adapter` only (generation.lora_refit=adapter)."""
         self.config = config
@@ -170,6 +170,8 @@ class VLLMGenerator(Generator):
             self._adapter = lora_serving.ServedAdapter(self._llm)
 
         self._setup = self._llm.collective_rpc("mrl_setup")
+        # MoE routing replay: every sample comes back with the experts its tokens were routed to (routing_capture.py)
+        self._routing_layers = self._llm.collective_rpc("mrl_capture_routing")[0] if capture_routing else 0
         self._ckpt_shapes = checkpoint_tensor_shapes(self.model_path)
         hf_config = self._llm.llm_engine.model_config.hf_text_config
         # a tied model's checkpoint has no lm_head.weight; an export may still carry it (vLLM skips it on load)
@@ -208,9 +210,29 @@ class VLLMGenerator(Generator):
                 reasons.append(c.finish_reason)
                 prompt_idx.append(i)
         result = GenerationResult(token_ids, logprobs, reasons, prompt_idx, n, self._version)
+        if self._routing_layers:
+            self._attach_routing(result, outputs, n)
         result.stats = {"generate_s": elapsed, "num_tokens": result.num_generated_tokens,
                         "tokens_per_s": result.num_generated_tokens / max(elapsed, 1e-9)}
         return result
+
+    def _attach_routing(self, result: GenerationResult, outputs, n: int) -> None:
+        """The routing the engine recorded for each sample of `outputs`. vLLM names a request `<id>-<suffix>` inside
+        the engine, and with n > 1 each sample `<index>_<id>-<suffix>`."""
+        records = self._llm.collective_rpc("mrl_take_routing")[0]  # every worker routes every token: one suffices
+        by_sample = {}
+        for rid, rec in records.items():
+            base = rid.rsplit("-", 1)[0]
+            index, ext = base.split("_", 1) if n > 1 else ("0", base)
+            by_sample[ext, int(index)] = rec
+        result.routed_experts, result.routing_start = [], []
+        for out in outputs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                rec = by_sample.get((str(out.request_id), c.index))
+                if rec is None:
+                    raise RuntimeError(f"no routing was recorded for sample {c.index} of request {out.request_id}")
+                result.routing_start.append(int(rec[0]))
+                result.routed_experts.append(rec[1])
 
     # ------------------------------------------------------------------------------- requests without waiting
     # multi-turn rollouts and in-flight weight updates: generation/requests.py

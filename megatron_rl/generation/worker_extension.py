@@ -33,6 +33,22 @@ class RefitWorkerExtension:
     def _mrl_device_id(self) -> str:
         return get_platform().device_identity(torch.device(getattr(self, "device", "cpu")))
 
+    def mrl_capture_routing(self) -> int:
+        """Record each request's routed experts from now on (`routing_capture.py`); the number of MoE layers."""
+        if getattr(self, "_mrl_routing", None) is None:
+            from megatron_rl.generation.routing_capture import RoutingCapture
+
+            self._mrl_routing = RoutingCapture(self.model_runner)
+        return self._mrl_routing.num_layers
+
+    def mrl_take_routing(self, req_ids: list[str] | None = None) -> dict:
+        """{engine request id: (first routed position, expert ids [tokens, layers, k])}, forgotten here after;
+        None: every record held."""
+        capture = getattr(self, "_mrl_routing", None)
+        if capture is None:
+            return {}
+        return capture.take(list(capture.records) if req_ids is None else req_ids)
+
     def mrl_join_refit_groups(self, endpoints: list[dict], rank_offset: int, world_size: int) -> None:
         """Disaggregated refit: join every pipeline stage's group as rank `rank_offset + worker rank` (the stage's
         exporting rank is rank 0), in stage order."""
