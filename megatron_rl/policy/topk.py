@@ -1,17 +1,19 @@
-"""Top-k distillation's two vocabulary-parallel pieces, from the last pipeline stage's output (hidden states after a
-fused head, else this rank's shard of the logits; `forward_pass.ForwardPass._token_stats` reads the same):
+"""The vocabulary-parallel pieces of top-k distillation and filtered-sampling logprobs, from the last pipeline
+stage's output (hidden states after a fused head, else this rank's shard of the logits;
+`forward_pass.ForwardPass._token_stats` reads the same):
 
-- `vocab_topk` (the teacher, no gradient): the k most likely ids per position over the whole vocabulary and their
-  logprobs, normalised over the whole vocabulary. At TP > 1 each rank holds a slice of the vocabulary: the
-  log-normaliser is reduced over the TP group (max, then sum of exponentials), each rank's own top-k are gathered
-  and the top-k of their union kept.
-- `logprobs_at` (the student, differentiable): log pi(v) for given ids v per position, as the sampled token's
-  logprob (the kernel's, with its gradient) plus (z_v - z_target) / T; the logits z_v are computed only for those ids
-  (k + 1 rows of the output layer's weight per position with the fused head), each on the rank whose shard holds it,
-  and summed over TP (megatron's reduce-from-TP region: all-reduce forward, identity backward); the hidden state
-  enters through megatron's copy-to-TP region (identity forward, all-reduce backward), as each rank's partial
-  gradient of it must be summed. The FSDP2 backend has no megatron parallel state: it passes its DTensor mesh's TP
-  group, and the same two regions come from policy/fsdp2_tp.py over that group.
+- `vocab_topk` (no gradient): the k most likely ids per position over the whole vocabulary and their logprobs,
+  normalised over the whole vocabulary (the distillation teacher's; the kept set of `sampling_filter.py`). At TP > 1
+  each rank holds a slice of the vocabulary: the log-normaliser is reduced over the TP group (max, then sum of
+  exponentials), each rank's own top-k are gathered and the top-k of their union kept.
+- `logits_at` (differentiable): the logits z_v / T for given ids v per position, computed only for those ids (their
+  rows of the output layer's weight with the fused head, a few positions at a time and gathered again in the
+  backward pass rather than kept: `_RowLogits`), each on the rank whose shard holds it, and summed over TP (the
+  reduce-from-TP region: all-reduce forward, identity backward); the hidden state enters through the copy-to-TP
+  region (identity forward, all-reduce backward), as each rank's partial gradient of it must be summed. Both regions
+  come from policy/fsdp2_tp.py over the group given: megatron's TP group, or the FSDP2 backend's DTensor mesh's.
+- `logprobs_at` (the distillation student, differentiable): log pi(v) as the sampled token's logprob (the kernel's,
+  with its gradient) plus (z_v - z_target) / T from `logits_at`.
 """
 from __future__ import annotations
 
@@ -77,38 +79,71 @@ def vocab_topk(output: torch.Tensor, head, k: int, temperature: float, tp_group=
     return (ids, vals, lse) if scaled else (ids, vals - lse)
 
 
+_ROWS_BUDGET = 1 << 24  # gathered weight elements per chunk of positions (64 MB in fp32)
+
+
+class _RowLogits(torch.autograd.Function):
+    """x [n, h] . weight[rows] -> [n, m] for row indices `rows` [n, m] of this rank's weight (masked where
+    `inside` is False), a chunk of positions at a time; the backward pass gathers the rows again instead of keeping
+    [n, m, h] of them."""
+
+    @staticmethod
+    def forward(ctx, x, weight, rows, inside):
+        out = torch.zeros(rows.shape, dtype=torch.float32, device=x.device)
+        step = max(1, _ROWS_BUDGET // max(1, rows.shape[1] * x.shape[1]))
+        for a in range(0, x.shape[0], step):
+            w = weight[rows[a:a + step]].float()  # [c, m, h]
+            out[a:a + step] = torch.bmm(w, x[a:a + step].float()[:, :, None])[..., 0]
+        ctx.save_for_backward(x, weight, rows, inside)
+        return torch.where(inside, out, torch.zeros_like(out))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rows, inside = ctx.saved_tensors
+        g = torch.where(inside, g.float(), torch.zeros_like(g, dtype=torch.float32))
+        grad_x = torch.zeros_like(x, dtype=torch.float32)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        step = max(1, _ROWS_BUDGET // max(1, rows.shape[1] * x.shape[1]))
+        for a in range(0, x.shape[0], step):
+            r, gc, xc = rows[a:a + step], g[a:a + step], x[a:a + step].float()
+            grad_x[a:a + step] = torch.bmm(gc[:, None, :], weight[r].float())[:, 0]
+            grad_w.index_add_(0, r.reshape(-1), (gc[:, :, None] * xc[:, None, :]).reshape(-1, x.shape[1]))
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None, None
+
+
+def logits_at(output, head, ids, temperature: float, tp_group=None, vocab_start: int = 0):
+    """z / T [n, m] at global `ids` [n, m] of flat `output` (hidden states [n, h] with a fused `head`, else [n,
+    V_local] logits from `vocab_start`), differentiable, whichever rank's shard holds each id: at TP > 1 each rank
+    computes the ids of its vocabulary shard and the values are summed over `tp_group` (the reduce-from-TP region),
+    the hidden state entering through the copy-to-TP region."""
+    if tp_group is not None:
+        from megatron_rl.policy.fsdp2_tp import copy_to_tp, reduce_from_tp
+    fused = head is not None and head.weight is not None
+    start, n_local = (head.vocab_start, head.weight.shape[0]) if fused else (vocab_start, output.shape[-1])
+    local = ids - start
+    inside = (local >= 0) & (local < n_local)
+    local = local.clamp(0, n_local - 1)
+    if fused:
+        x = copy_to_tp(output, tp_group) if tp_group is not None else output
+        z = _RowLogits.apply(x, head.weight, local, inside)
+    else:
+        z = output.gather(-1, local).float()  # the k + 1 columns only, not an fp32 copy of the logits
+        z = torch.where(inside, z, torch.zeros_like(z))
+    if tp_group is not None:
+        z = reduce_from_tp(z, tp_group)
+    return z / temperature
+
+
 def logprobs_at(flat_output: torch.Tensor, head, ids: torch.Tensor, targets: torch.Tensor,
                 target_logprobs: torch.Tensor, temperature: float, tp_size: int = 1, vocab_start: int = 0,
                 tp_group=None):
     """log pi(ids) [n, k] at n flat response positions (module doc): `flat_output` [n, h] hidden states (fused head:
     `head.weight` this rank's vocabulary rows from id `head.vocab_start`) or [n, V_local] logits, `targets` [n] the
     sampled ids, `target_logprobs` [n] their (differentiable) logprobs. `tp_group`: None is megatron's TP group."""
-    if tp_group is None:
-        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region as copy_in,
-                                                            reduce_from_tensor_model_parallel_region as reduce_out)
-    else:
-        from megatron_rl.policy.fsdp2_tp import copy_to_tp, reduce_from_tp
+    if tp_size > 1 and tp_group is None:
+        from megatron.core import parallel_state as ps
 
-        def copy_in(x):
-            return copy_to_tp(x, tp_group)
-
-        def reduce_out(x):
-            return reduce_from_tp(x, tp_group)
-
-    dev = flat_output.device
-    every = torch.cat([targets.reshape(-1, 1).to(dev), ids.to(dev)], dim=1)
-    fused = head is not None and head.weight is not None
-    start, n_local = (head.vocab_start, head.weight.shape[0]) if fused else (vocab_start, flat_output.shape[-1])
-    local = every - start
-    inside = (local >= 0) & (local < n_local)
-    local = local.clamp(0, n_local - 1)
-    if fused:
-        h = copy_in(flat_output) if tp_size > 1 else flat_output
-        z = (h.float()[:, None, :] * head.weight[local].float()).sum(-1)  # only the k + 1 rows per position
-    else:
-        z = flat_output.float().gather(-1, local)
-    z = torch.where(inside, z, torch.zeros_like(z))
-    if tp_size > 1:
-        z = reduce_out(z)
-    z = z / temperature
+        tp_group = ps.get_tensor_model_parallel_group()
+    every = torch.cat([targets.reshape(-1, 1).to(flat_output.device), ids.to(flat_output.device)], dim=1)
+    z = logits_at(flat_output, head, every, temperature, tp_group if tp_size > 1 else None, vocab_start)
     return target_logprobs.reshape(-1, 1).float() + (z[:, 1:] - z[:, :1])

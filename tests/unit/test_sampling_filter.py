@@ -61,9 +61,9 @@ def _filtered(h, w, targets, scoring, fused: bool):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
 @pytest.mark.parametrize("top_k,top_p", [(20, 0.8), (20, 1.0), (-1, 0.8)])
 def test_matches_the_sampler_filtered_softmax(fused, top_k, top_p, monkeypatch):
-    from megatron_rl.policy import sampling_filter
+    from megatron_rl.policy import topk
 
-    monkeypatch.setattr(sampling_filter, "_ROWS_BUDGET", 5 * 21 * H)  # the fused rows in chunks of ~5 positions
+    monkeypatch.setattr(topk, "_ROWS_BUDGET", 5 * 21 * H)  # the fused rows in chunks of ~5 positions
     h, w, targets = _problem()
     scoring = TokenScoring(0.8, top_k, top_p)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
