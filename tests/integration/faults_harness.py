@@ -214,8 +214,30 @@ class Run:
         self._thread.join(timeout=5)
         for p in self.alive():  # never leave anything of ours behind, whatever the test did
             p.kill()
+        self._kill_sessions()
         self._out.close()
         self._err.close()
+
+    def _kill_sessions(self) -> None:
+        """Kill what the tracking missed: a process forked after the last sample whose parent was killed is
+        reparented away from the tree, unseen (a checkpoint writer's fork outlived a kill-during-save test by 18
+        minutes, CI 2026-12-05). The driver leads a session of its own (start_new_session) and forks inherit it, so
+        every process left in the sessions of this run's processes is this run's; never the test process's own."""
+        mine = os.getsid(0)
+        sessions = set()
+        for p in self.alive():  # alive: a dead one's pid may belong to someone else by now
+            try:
+                sessions.add(os.getsid(p.pid))
+            except OSError:
+                pass
+        sessions.discard(mine)
+        sessions.add(self.driver.pid)  # the driver's session id is its pid, even once it is gone
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != os.getpid() and os.getsid(proc.pid) in sessions:
+                    proc.kill()
+            except (OSError, psutil.Error):
+                pass
 
     @property
     def stdout(self) -> str:
