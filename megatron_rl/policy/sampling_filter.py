@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_rl.policy.interface import TokenScoring, as_scoring  # noqa: F401  (re-exported for the workers)
 from megatron_rl.policy.topk import logits_at, vocab_topk
 
+
 @torch.no_grad()
 def kept_set(output, head, scoring: TokenScoring, tp_group=None, vocab_start: int = 0):
     """(ids [n, k], kept [n, k] bool, number of positions whose top-p set was cut at `max_kept`) for flat `output`
