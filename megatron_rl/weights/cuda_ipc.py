@@ -39,6 +39,9 @@ class CudaIpcSender:
             self._keepalive.append(flat)
             _rebuild, args = reduce_tensor(flat)
             # pickled here so the handle stays plain bytes for msgpack-based RPC (vLLM multiprocess executors)
+            # GPU only (no CPU test can open a CUDA IPC buffer): the fingerprints gather from `flat` on its own
+            # stream, after the copies above, and `.cpu()` waits for them. The same `fingerprint_flat` on the same
+            # bucket layout runs on CPU in the shared-memory sender (test_generation, test_refit_fingerprint).
             handle.buckets.append(BucketSpec(specs, size, pickle.dumps({uuid_: args}), fingerprint_flat(flat, specs)))
         torch.cuda.synchronize(device)  # the receiver reads on another stream/process: data must be complete
         return handle
