@@ -4,10 +4,19 @@ The conversion tool (`megatron-rl convert` without torchrun) and the multi-rank 
 
     results = run_distributed(my_module.body, world_size=2, args=(x,))
 
-`body(rank, world_size, *args)` runs in a fresh spawned process after `torch.distributed` is initialised with gloo on
+`body(rank, world_size, *args)` runs in a fresh process after `torch.distributed` is initialised with gloo on
 loopback; its return value (picklable) comes back in rank order. An exception in any rank is re-raised here with that
 rank's traceback; a rank that dies or hangs fails the call after `timeout` seconds instead of hanging the caller.
-Imports cost ~10 s per launch on 2 cores, so tests put several checks into one body.
+
+The ranks are forked from a fork server (multiprocessing's "forkserver" start method) that has imported torch,
+megatron-core and transformers once (`launch_preload`), not spawned as fresh interpreters that import them again: a
+spawned rank spent ~5 s of one core on those imports before its body's first line (2-core CPU machines), and a caller
+that launches many times (the test suite, a bench, a notebook converting several checkpoints) paid that per rank per
+launch. The server is one per calling process and lives as long as it; it only imports (it never computes, so no
+OpenMP or other thread pool exists in it to be broken by a fork), and each rank is a fresh address space. What a
+spawned child would take from its parent comes along explicitly: sys.path, the working directory and the main module
+through multiprocessing's preparation data, and the caller's environment at launch time through `_entry` (the server's
+own is from its start). `MEGATRON_RL_LAUNCH=spawn` restores fresh interpreters.
 """
 from __future__ import annotations
 
@@ -30,8 +39,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
+def _context():
+    method = os.environ.get("MEGATRON_RL_LAUNCH", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"MEGATRON_RL_LAUNCH={method!r}: expected 'forkserver' or 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # takes effect when the server starts (the first launch); later calls change nothing
+        ctx.set_forkserver_preload(["megatron_rl.distributed.launch_preload"])
+    return ctx
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int,
+           env: dict[str, str] | None = None) -> None:
     import warnings
+
+    if env is not None:  # the caller's environment now, not the fork server's from its start
+        for k in set(os.environ) - set(env):
+            del os.environ[k]
+        os.environ.update(env)
 
     import torch
     import torch.distributed as dist
@@ -77,16 +102,17 @@ def _environment(env: dict[str, str]):
 
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 600.0,
                     threads_per_rank: int | None = None) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads), daemon=True)
-             for r in range(world_size)]
-    # the platform's process environment (CPU: glibc's heap settings), as Ray gives its workers: it is read when a
-    # process starts, so it has to be in the environment the ranks are spawned with
+    # the platform's process environment (CPU: glibc's heap settings), as Ray gives its workers: glibc reads it when
+    # a process starts, so it has to be in the environment the ranks (or the fork server, at its start) begin with
     with main_hidden(), _environment(get_platform().worker_env()):  # main_hidden: `python -`, a notebook (the ranks
-        for p in procs:  # cannot re-run that main; fn must be importable anyway)
+        env = dict(os.environ)  # cannot re-run that main; fn must be importable anyway)
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads, env), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
             p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []

@@ -7,6 +7,8 @@ model gets the PP=1 weights copied by layer index.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -128,3 +130,14 @@ def fail_on_rank_one(rank: int, world_size: int):
     if rank == 1:
         raise ValueError("deliberate failure on rank 1")
     return rank
+
+
+def process_facts(rank: int, world_size: int, key: str):
+    """What a rank sees of its start: its parent, the caller's variable KEY, the working directory, whether the fork
+    server's preloaded libraries are already imported, and a module-level mark a previous rank would have left."""
+    import sys
+
+    seen = getattr(sys.modules[__name__], "_MARK", None)
+    sys.modules[__name__]._MARK = rank  # a later launch must not see this: each rank is a fresh address space
+    return {"ppid": os.getppid(), "env": os.environ.get(key), "cwd": os.getcwd(), "mark": seen,
+            "megatron_preloaded": "megatron.core" in sys.modules, "threads": torch.get_num_threads()}

@@ -28,3 +28,31 @@ def test_pp2_loss_and_grad_norm_equal_pp1(results):
 def test_harness_reports_rank_failure():
     with pytest.raises(RuntimeError, match="rank 1"):
         run_distributed(foundation_bodies.fail_on_rank_one, world_size=2, timeout=120)
+
+
+def test_ranks_fork_from_one_preloaded_server_with_the_callers_environment(monkeypatch, tmp_path):
+    """The ranks are forks of one fork server per caller that has imported megatron-core (launch.py), yet each
+    launch sees what a spawned process would: the caller's environment and working directory at the time of the
+    call, and a fresh address space (nothing a previous rank set). MEGATRON_RL_LAUNCH=spawn gives fresh
+    interpreters, children of the caller."""
+    import os
+
+    monkeypatch.setenv("MRL_LAUNCH_PROBE", "first")
+    first = run_distributed(foundation_bodies.process_facts, world_size=2, args=("MRL_LAUNCH_PROBE",))
+    monkeypatch.setenv("MRL_LAUNCH_PROBE", "second")
+    monkeypatch.chdir(tmp_path)
+    second = run_distributed(foundation_bodies.process_facts, world_size=2, args=("MRL_LAUNCH_PROBE",))
+    ranks = first + second
+    assert len({r["ppid"] for r in ranks}) == 1 and ranks[0]["ppid"] != os.getpid(), ranks  # one server
+    assert [r["env"] for r in ranks] == ["first"] * 2 + ["second"] * 2
+    assert [r["cwd"] for r in second] == [str(tmp_path)] * 2
+    assert [r["mark"] for r in ranks] == [None] * 4
+    assert all(r["megatron_preloaded"] for r in ranks)
+    assert [r["threads"] for r in ranks] == [max(1, (os.cpu_count() or 1) // 2)] * 4
+
+    monkeypatch.setenv("MEGATRON_RL_LAUNCH", "spawn")
+    [spawned] = run_distributed(foundation_bodies.process_facts, world_size=1, args=("MRL_LAUNCH_PROBE",))
+    assert spawned["ppid"] == os.getpid() and not spawned["megatron_preloaded"] and spawned["env"] == "second"
+    monkeypatch.setenv("MEGATRON_RL_LAUNCH", "fork")
+    with pytest.raises(ValueError, match="MEGATRON_RL_LAUNCH='fork'"):
+        run_distributed(foundation_bodies.process_facts, world_size=1, args=("MRL_LAUNCH_PROBE",))
