@@ -181,4 +181,5 @@ def teacher_policy_config(cfg: Config) -> PolicyConfig:
     return dataclasses.replace(cfg.policy, backend="megatron", model=str(teacher_hf_dir(d.teacher)), tokenizer=None,
                                tp=d.tp, pp=d.pp, packing=packing,
                                dp=None, ep=1, moe_aux_loss_coef=0.0, lora=None, activation_recompute=False,
+                               moe_routing_replay="off",  # another model: the engine's routing is the student's
                                precision=cfg.policy.precision if d.precision == "auto" else d.precision)

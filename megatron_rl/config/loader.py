@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from megatron_rl.config.moe_rules import routing_replay_enabled
 from megatron_rl.config.schema import Config
 from megatron_rl.platform import get_platform
 from megatron_rl.distributed.parallel_dims import check_engine_split, check_expert_split, check_policy_split, layout_of
@@ -439,6 +440,11 @@ def validate_against_model(cfg: Config) -> None:
                            num_experts=hf.get("num_experts") or hf.get("num_local_experts"))
     except ValueError as e:
         raise ConfigError(f"{e} (model: {cfg_file})") from None
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")
+    try:
+        routing_replay_enabled(cfg, num_experts)
+    except ValueError as e:
+        raise ConfigError(f"{e} (model: {cfg_file})") from None
     if cfg.policy.lora is not None:
         try:
             _check_lora_targets(cfg, model_dir, hf)
@@ -478,3 +484,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None, check_mode
         where = f"command-line override '{item}'" if item else "command-line overrides"
         raise ConfigError(f"{where}: {e}") from None
     return validate(cfg, check_model=check_model)
+

@@ -61,6 +61,7 @@ def critic_policy_config(cfg: Config) -> PolicyConfig:
     c = cfg.critic
     return dataclasses.replace(cfg.policy, model=str(critic_model_dir(cfg)), tokenizer=None, optimizer=c.optimizer,
                                scheduler=c.scheduler, lora=None, value_head=True, fused_lm_head=False,
+                               moe_routing_replay="off",  # its own router: the engine sampled with the policy's
                                precision=cfg.policy.precision if c.precision == "auto" else c.precision)
 
 

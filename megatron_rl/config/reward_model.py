@@ -65,4 +65,5 @@ def reward_model_policy_config(cfg: Config) -> PolicyConfig:
     return dataclasses.replace(cfg.policy, backend="megatron", model=str(reward_model_hf_dir(m.path)), tokenizer=None,
                                tp=m.tp, pp=m.pp, packing=packing, dp=None, ep=1, moe_aux_loss_coef=0.0, lora=None,
                                activation_recompute=False, value_head=True, fused_lm_head=False,
+                               moe_routing_replay="off",  # another model: the engine's routing is the policy's
                                precision=cfg.policy.precision if m.precision == "auto" else m.precision)

@@ -81,6 +81,10 @@ class PolicyConfig:
     # normalised differently: HF sums over the top-k and pools layers), and balancing is not part of the RL objective
     # (it pulls the router away from the policy being optimised)
     moe_aux_loss_coef: float = 0.0
+    # MoE routing replay (R3, policy/routing_replay.py): the trainer routes each token to the experts the engine
+    # routed it to, so both compute one policy. auto: on for MoE models where the engine can record its routing
+    # (an eager engine: every CPU engine, a GPU one with generation.enforce_eager); on: that, or refused; off: never
+    moe_routing_replay: Literal["auto", "on", "off"] = "auto"
     # auto: bf16 on GPU and on CPUs with bf16 instructions (AVX512-BF16/AMX), else fp32. No fp16: it needs dynamic
     # loss scaling, which is not wired (the loader says so)
     precision: Literal["auto", "fp32", "bf16"] = "auto"

@@ -48,6 +48,7 @@ class RowLayout:
     targets: list[int]  # -1 where the position predicts nothing that is trained
     segments: list[int]  # SHARED, or the member's index within the row
     spans: list[tuple[int, int]]  # per member: (first column, number of response tokens)
+    members: list[int]  # per column: the member whose token it is (the shared prompt part: member 0's)
 
 
 def row_layout(seqs: list[list[int]], prompt_len: int) -> RowLayout:
@@ -57,6 +58,7 @@ def row_layout(seqs: list[list[int]], prompt_len: int) -> RowLayout:
     positions = list(range(p - 1))
     targets = [-1] * (p - 1)
     segments = [SHARED] * (p - 1)
+    members = [0] * (p - 1)
     spans = []
     for j, ids in enumerate(seqs):
         r = len(ids) - p
@@ -65,7 +67,8 @@ def row_layout(seqs: list[list[int]], prompt_len: int) -> RowLayout:
         positions += range(p - 1, len(ids) - 1)
         targets += ids[p:]
         segments += [j] * r
-    return RowLayout(tokens, positions, targets, segments, spans)
+        members += [j] * r
+    return RowLayout(tokens, positions, targets, segments, spans, members)
 
 
 def attention_mask(segments: torch.Tensor, units: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,6 +96,11 @@ class MicroBatchRows:
     attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool, True = masked; None = plain causal
     packed: object = None  # PackedSeqParams of a varlen row (b = 1, THD); None for dense rows
     one_row: bool = False  # many sequences in one row (a varlen or `masked_row`): the window selects its columns
+    # [b, s] the RolloutBatch index of the sequence each position's token comes from (-1: padding); its position in
+    # that sequence is `position_ids` there. What per-token model inputs are laid out by (policy/routing_replay.py)
+    source: torch.Tensor | None = None
+    # [b, s, MoE layers, k]: the engine's experts for each position's token, -1: none (policy/routing_replay.py)
+    routing: torch.Tensor | None = None
 
     @property
     def filler(self) -> bool:
@@ -153,7 +161,7 @@ def filler_row(*, varlen: bool, multiple: int = 1, pad_id: int = 0) -> MicroBatc
         cu = torch.tensor([0, n], dtype=torch.int32)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
     return MicroBatchRows([], row(pad_id), torch.arange(n, dtype=torch.long)[None], row(-1),
-                          torch.zeros((1, n), dtype=torch.bool), [], [], packed=packed)
+                          torch.zeros((1, n), dtype=torch.bool), [], [], packed=packed, source=row(-1))
 
 
 def dense_rows(batch: RolloutBatch, rows: list[Unit], pad_id: int = 0) -> MicroBatchRows:
@@ -166,11 +174,13 @@ def dense_rows(batch: RolloutBatch, rows: list[Unit], pad_id: int = 0) -> MicroB
     # then uses its standard RoPE table); padded positions' outputs are never read
     pos = torch.arange(s, dtype=torch.long).repeat(b, 1)
     segments = torch.full((b, s), SHARED, dtype=torch.long)
+    source = torch.full((b, s), -1, dtype=torch.long)
     mask = torch.zeros((b, s), dtype=torch.bool)
     indices, resp_lens, spans = [], [], []
     for r, (unit, lay) in enumerate(zip(rows, layouts)):
         n = len(lay.tokens)
         tokens[r, :n] = torch.tensor(lay.tokens, dtype=torch.long)
+        source[r, :n] = torch.tensor([unit.members[m] for m in lay.members], dtype=torch.long)
         targets[r, :n] = torch.tensor(lay.targets, dtype=torch.long)
         segments[r, :n] = torch.tensor(lay.segments, dtype=torch.long)
         if n:
@@ -183,19 +193,20 @@ def dense_rows(batch: RolloutBatch, rows: list[Unit], pad_id: int = 0) -> MicroB
             resp_lens.append(k)
             spans.append((r, c))
     attn = attention_mask(segments) if any(len(u.members) > 1 for u in rows) else None
-    return MicroBatchRows(indices, tokens, pos, targets, mask, resp_lens, spans, attn)
+    return MicroBatchRows(indices, tokens, pos, targets, mask, resp_lens, spans, attn, source=source)
 
 
 def masked_row(batch: RolloutBatch, units: list[Unit]) -> MicroBatchRows:
     """All `units` back to back in one row [1, t], each laid out by `row_layout` (positions restarting per unit),
     described by an explicit mask (`attention_mask` with unit ids) instead of cu_seqlens: the varlen row of an
     attention that takes a [t, t] mask (the FSDP2 backend's HF models). No padding; the mask costs t^2."""
-    tokens, pos, targets, segments, unit_of = [], [], [], [], []
+    tokens, pos, targets, segments, unit_of, source = [], [], [], [], [], []
     indices, resp_lens, spans = [], [], []
     for u, unit in enumerate(units):
         lay = row_layout([batch.input_ids[i] for i in unit.members], unit.prompt_len)
         at = len(tokens)
         tokens += lay.tokens
+        source += [unit.members[m] for m in lay.members]
         pos += lay.positions
         targets += lay.targets
         segments += lay.segments
@@ -209,7 +220,7 @@ def masked_row(batch: RolloutBatch, units: list[Unit]) -> MicroBatchRows:
     for (_, c), k in zip(spans, resp_lens):
         resp[0, c:c + k] = True
     return MicroBatchRows(indices, as_row(tokens), as_row(pos), as_row(targets), resp, resp_lens, spans,
-                          attention_mask(as_row(segments), as_row(unit_of)), one_row=True)
+                          attention_mask(as_row(segments), as_row(unit_of)), one_row=True, source=as_row(source))
 
 
 def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id: int = 0) -> MicroBatchRows:
@@ -219,7 +230,7 @@ def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id
 
     from megatron_rl.models.varlen_attention import CascadeSeqParams
 
-    tokens, pos, targets = [], [], []
+    tokens, pos, targets, source = [], [], [], []
     starts, lengths, prefix_of = [], [], []
     indices, resp_lens, spans = [], [], []
     for unit in units:
@@ -236,11 +247,13 @@ def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id
                 tokens.append(lay.tokens[c])
                 pos.append(lay.positions[c])
                 targets.append(lay.targets[c])
+                source.append(unit.members[lay.members[c]])
             pad = padded(n, multiple) - n
             last = pos[-1] if n else 0
             tokens += [pad_id] * pad
             pos += range(last + 1, last + 1 + pad)
             targets += [-1] * pad
+            source += [-1] * pad
             col += n
         for i, (c, k) in zip(unit.members, lay.spans):
             indices.append(i)
@@ -264,7 +277,7 @@ def varlen_row(batch: RolloutBatch, units: list[Unit], multiple: int = 1, pad_id
         params = PackedSeqParams(**common)
     as_row = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
     return MicroBatchRows(indices, as_row(tokens), as_row(pos), as_row(targets), resp, resp_lens, spans,
-                          packed=params, one_row=True)
+                          packed=params, one_row=True, source=as_row(source))
 
 
 def packed_on(params, device):

@@ -119,6 +119,12 @@ class ForwardPass:
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.is_output_rank = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        self._replay = None  # MoE routing replay: used for batches that carry the engine's routing
+        if self.spec.moe is not None and getattr(cfg, "moe_routing_replay", "off") != "off":
+            from megatron_rl.policy.routing_replay import MegatronRoutingReplay
+
+            self._replay = MegatronRoutingReplay(gpt, sequence_parallel=tcfg.sequence_parallel,
+                                                 tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.tp_size)
 
     def _enable_shared_prefix(self, gpt) -> bool:
         """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""
@@ -142,7 +148,13 @@ class ForwardPass:
                                          max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
                                          dp_rank=self.dp_rank, multiple=self.segment_multiple,
                                          equal_counts=self.dp_size > 1 and self.spec.moe is not None)
-        return [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
+        mbs = [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
+        if batch.routed_experts is not None and self._replay is not None:
+            from megatron_rl.policy.routing_replay import routing_rows
+
+            for mb in mbs:
+                mb.routing = None if mb.filler else routing_rows(batch.routed_experts, mb)
+        return mbs
 
     def _forward(self, model, mb: batching.MicroBatchRows):
         """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns
@@ -152,6 +164,8 @@ class ForwardPass:
         if self._logit_window is not None:
             self._logit_window.start, view = batching.response_window(mb) if self.narrow_logits else (0, mb)
         mask = mb.attention_mask.to(self.device) if mb.attention_mask is not None else None
+        if self._replay is not None:  # this stage's routers replay this micro-batch's record (or route themselves)
+            self._replay.set(mb.routing)
         return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
                      packed_seq_params=batching.packed_on(mb.packed, self.device)), view
 

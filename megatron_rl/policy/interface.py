@@ -48,6 +48,11 @@ class RolloutBatch:
     # response length. An algorithm adds its own (PPO's token advantages, returns, old values) here without editing
     # this class, `subset` or either worker (policy/step_inputs.py gathers them)
     fields: dict[str, list] = field(default_factory=dict)
+    # MoE routing replay (policy/routing_replay.py): per sequence, the experts the engine routed each of its tokens
+    # to, [len(input_ids), MoE layers, k] integers, -1 where the engine did not run the token (prefix-cached prompt
+    # tokens, the last sampled token, observations): the trainer routes those itself. None: it routes every token.
+    # A model input over the whole sequence, not a loss field, hence not in `fields`.
+    routed_experts: Optional[list[torch.Tensor]] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -63,7 +68,8 @@ class RolloutBatch:
                             seq_roles=pick(self.seq_roles), teacher_logprobs=pick(self.teacher_logprobs),
                             teacher_topk_ids=pick(self.teacher_topk_ids),
                             teacher_topk_logprobs=pick(self.teacher_topk_logprobs),
-                            fields={k: pick(v) for k, v in self.fields.items()})
+                            fields={k: pick(v) for k, v in self.fields.items()},
+                            routed_experts=pick(self.routed_experts))
 
     def loss_normalizers(self) -> tuple[int, int]:
         """(response tokens, sequences) the loss divides by."""

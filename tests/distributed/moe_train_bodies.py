@@ -169,3 +169,101 @@ def ep2_suite(rank: int, world_size: int, model_dir: str, coef: float):
     return {"aux_loss": aux_loss_step(rank, world_size, model_dir, coef),
             "uneven": uneven_microbatches(rank, world_size, model_dir, coef)}
 
+
+
+# Routing replay: a group of two sharing a 4-token prompt (one shared-prefix row) and a single sequence
+# and three more sequences, so that a rank's micro-batch holds several padded rows (b > 1)
+REPLAY_LENS, REPLAY_PROMPTS, REPLAY_GROUPS = (11, 9, 8, 10, 7, 9), (4, 4, 3, 5, 2, 4), (0, 0, 1, 2, 3, 4)
+
+
+def replay_batch(vocab: int, num_experts: int, layers: int, k: int, seed: int = 9) -> RolloutBatch:
+    """`uneven`-like sequences with a record of forced experts for each: random distinct experts per token and layer
+    (so most differ from the router's own choice), none (-1) for the first token of each sequence and for the last
+    (which the engine never runs), and the group's members recording the same experts for their shared prompt (the
+    rollout fills a member's prefix-cached prompt from its group, generation/routing)."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    prompt = [rng.randrange(vocab) for _ in range(REPLAY_PROMPTS[0])]
+    ids = [prompt + [rng.randrange(vocab) for _ in range(n - p)] if grp == 0 else
+           [rng.randrange(vocab) for _ in range(n)] for n, p, grp in zip(REPLAY_LENS, REPLAY_PROMPTS, REPLAY_GROUPS)]
+    routed = []
+    for n in REPLAY_LENS:
+        rec = torch.stack([torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(layers)])
+                           for _ in range(n)]).to(torch.int16)
+        rec[0], rec[-1] = -1, -1
+        routed.append(rec)
+    routed[1][:REPLAY_PROMPTS[0]] = routed[0][:REPLAY_PROMPTS[0]]
+    return RolloutBatch(input_ids=ids, prompt_lens=list(REPLAY_PROMPTS), advantages=[0.5, -1.0, 0.3, 0.8, -0.2, 0.1],
+                        group_ids=list(REPLAY_GROUPS), routed_experts=routed)
+
+
+def hf_forced_logprobs(model_dir: str, batch: RolloutBatch, temperature: float) -> list[torch.Tensor]:
+    """Response logprobs of HF transformers' Qwen3-MoE with each router's top-k replaced, per token where the
+    sequence's record has one, by the recorded experts, their gate weights the router's softmax there (renormalised
+    where the config says so): written from `Qwen3MoeTopKRouter.forward`, one sequence at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    current: list = [None]
+
+    def forced(layer: int, router, hidden):
+        logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        own = torch.topk(probs, router.top_k, dim=-1).indices
+        target = current[0][:, layer].long()
+        idx = torch.where((target >= 0).all(-1, keepdim=True), target, own)
+        val = probs.gather(1, idx)
+        if router.norm_topk_prob:
+            val = val / val.sum(-1, keepdim=True)
+        return logits, val.to(logits.dtype), idx
+
+    for layer, block in enumerate(model.model.layers):
+        block.mlp.gate.forward = lambda h, layer=layer, r=block.mlp.gate: forced(layer, r, h)
+    out = []
+    with torch.no_grad():
+        for ids, p, rec in zip(batch.input_ids, batch.prompt_lens, batch.routed_experts):
+            current[0] = rec[:len(ids) - 1]
+            logits = model(torch.tensor([ids[:-1]])).logits[0].float()
+            lp = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+            out.append(lp[p - 1:])
+    return out
+
+
+def routing_replay(rank: int, world_size: int, model_dir: str):
+    """policy.moe_routing_replay at EP=2: `replay_batch`'s logprobs without its record, with it (logprobs, the
+    training step's own, reference), with padded rows (a shared-prefix row with a mask) and varlen rows (cascade),
+    and with the option off; on rank 0 also HF's with and without the forced experts."""
+    import dataclasses
+    import json
+
+    from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
+    from tests.distributed.policy_bodies import _merge
+
+    hf = json.load(open(f"{model_dir}/config.json"))
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers saves Qwen3-MoE's under the latter
+    batch = replay_batch(hf["vocab_size"], experts, hf["num_hidden_layers"], hf["num_experts_per_tok"])
+    plain = dataclasses.replace(batch, routed_experts=None)
+    res = {}
+    for mode, option in (("none", "auto"), ("varlen", "on"), ("none_off", "off")):
+        cfg = PolicyConfig(model=model_dir, ep=2, precision="fp32", shared_prefix=True, packing=mode.split("_")[0],
+                           moe_routing_replay=option, max_tokens_per_microbatch=64,
+                           optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS))
+        w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
+        w.setup()
+        got = {"plain": _merge(_gather_obj(w.logprobs(plain, temperature=TEMP))),
+               "replay": _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))}
+        if mode != "none_off":
+            got["reference"] = _merge(_gather_obj(w.reference_logprobs(batch, temperature=TEMP)))
+            out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
+            got["train"] = _merge([o["logprobs"] for o in out])
+            # the group's two members in one row (the shared prompt fed once): on whichever rank holds them
+            mbs = w._micro_batches(batch)
+            got["ranks"] = _gather_obj({
+                "group_in_one_row": any(any({0, 1} <= set(row.tolist()) for row in mb.source) for mb in mbs),
+                "most_rows": max(mb.tokens.shape[0] for mb in mbs)})
+        res[mode] = {k: v if k == "ranks" else [v[i] for i in range(len(batch))] for k, v in got.items()}
+    if rank != 0:
+        return None
+    res["hf_forced"] = hf_forced_logprobs(model_dir, batch, TEMP)
+    res["hf_plain"] = hf_forced_logprobs(model_dir, dataclasses.replace(
+        batch, routed_experts=[torch.full_like(r, -1) for r in batch.routed_experts]), TEMP)
+    return res

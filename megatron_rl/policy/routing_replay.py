@@ -1,0 +1,114 @@
+"""MoE routing replay (R3): the trainer sends each token to the experts the engine sent it to.
+
+The router's top-k is a discontinuous function of its logits: wherever the engine's kernels and the trainer's round
+a near-tie differently, the two run different experts for that token, its logprobs part, and the importance ratio
+corrects for a policy nobody sampled from. The engine records the experts it routed each token to
+(generation/routing_capture.py, `GenerationResult.routed_experts`); the batch carries them
+(`RolloutBatch.routed_experts`: per sequence [tokens, MoE layers, k], -1 where the engine ran no such token), and
+here every MoE router of the trainer takes those experts instead of its own top-k, in every pass over the batch
+(old logprobs, reference, training). The gate weights stay the trainer's own: its router's probabilities at the
+replayed experts (normalised as that router normalises), so the router still learns through them.
+
+A token with no record (-1: prompt tokens the engine served from its prefix cache, multi-turn observations) is routed
+by the trainer as without replay ("mixed" replay). The load-balancing loss, when on, is computed from the trainer's
+own top-k, as megatron-core does under its RouterReplay.
+
+Layout: `routing_rows` lays the records out like the micro-batch's tokens ([b, s], `MicroBatchRows.source` and
+`position_ids` say which token of which sequence each position holds). The Megatron backend's routers see tokens
+sequence-major ([s, b] flattened; a THD row is [t, 1]), split over the tensor-parallel ranks when sequence
+parallelism is on; the FSDP2 backend's HF routers see them batch-major ([b, s] flattened).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.policy.batching import MicroBatchRows
+
+
+def routing_rows(routed: list[torch.Tensor], mb: MicroBatchRows) -> torch.Tensor:
+    """[b, s, layers, k] long: for each position of the micro-batch the experts the engine routed its token to, -1
+    where there is no record (padding, tokens the engine did not run)."""
+    src, pos = mb.source, mb.position_ids
+    if src is None:
+        raise ValueError("routing replay needs MicroBatchRows.source (rows built by policy/batching.py)")
+    shapes = {tuple(routed[i].shape[1:]) for i in mb.indices}
+    if len(shapes) != 1:
+        raise ValueError(f"routed_experts of one micro-batch have different [layers, k]: {sorted(shapes)}")
+    out = torch.full((*src.shape, *shapes.pop()), -1, dtype=torch.long)
+    for i in mb.indices:
+        at = src == i
+        p = pos[at]
+        rec = torch.as_tensor(routed[i])
+        have = p < rec.shape[0]
+        vals = torch.full((p.numel(), *rec.shape[1:]), -1, dtype=torch.long)
+        vals[have] = rec[p[have]].long()
+        out[at] = vals
+    return out
+
+
+def replayed_topk(target: torch.Tensor | None, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The experts to use: `target`'s for tokens it records (no -1 in their row), the router's own `indices`
+    elsewhere. Both [tokens, k]."""
+    if target is None:
+        return indices
+    if target.shape != indices.shape:
+        raise RuntimeError(f"routing replay: the router routes {tuple(indices.shape)} [tokens, k] but the replayed "
+                           f"record is {tuple(target.shape)} (a micro-batch laid out differently from its record)")
+    target = target.to(indices.device)
+    recorded = (target >= 0).all(dim=-1, keepdim=True)
+    return torch.where(recorded, target, indices)
+
+
+class _MegatronRouterReplay:
+    """Duck-types megatron-core's RouterReplay where `topk_routing_with_score_function` calls it
+    (`get_replay_topk`): the router's own top-k, then the replayed experts where recorded, with the scores there."""
+
+    def __init__(self):
+        self.target: torch.Tensor | None = None
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is None:
+            return values, indices
+        indices = replayed_topk(self.target, scores, indices)
+        return scores.gather(1, indices), indices
+
+
+def moe_layer_pattern(tcfg) -> list[bool]:
+    """Which of the model's layers (global, 0-based) are MoE, from megatron-core's `moe_layer_freq`."""
+    freq, n = tcfg.moe_layer_freq, tcfg.num_layers
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(n)]
+    return [bool(x) for x in freq]
+
+
+class MegatronRoutingReplay:
+    """Installed on a GPTModel stage: each of its MoE routers replays its layer of the micro-batch's record."""
+
+    def __init__(self, gpt, *, sequence_parallel: bool, tp_rank: int, tp_size: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        pattern = moe_layer_pattern(gpt.config)
+        self.layers: list[tuple[int, _MegatronRouterReplay]] = []
+        for layer in gpt.decoder.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if isinstance(router, TopKRouter):
+                hook = _MegatronRouterReplay()
+                router.router_replay = hook
+                self.layers.append((sum(pattern[:layer.layer_number - 1]), hook))  # layer_number: global, 1-based
+        self.split = tp_size if sequence_parallel else 1
+        self.tp_rank = tp_rank
+
+    def set(self, routing: torch.Tensor | None) -> None:
+        """Before a micro-batch's forward on this stage: its `routing_rows` (None: route every token)."""
+        if routing is None:
+            for _, hook in self.layers:
+                hook.target = None
+            return
+        seq_major = routing.transpose(0, 1)  # [s, b, layers, k], the order of megatron's [s, b, h] activations
+        if self.split > 1:  # sequence parallelism: this rank's slice of the sequence dimension
+            chunk = seq_major.shape[0] // self.split
+            seq_major = seq_major[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
+        flat = seq_major.reshape(-1, *seq_major.shape[2:])
+        for moe_index, hook in self.layers:
+            hook.target = flat[:, moe_index]
