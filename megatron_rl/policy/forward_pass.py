@@ -148,13 +148,10 @@ class ForwardPass:
                                          max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
                                          dp_rank=self.dp_rank, multiple=self.segment_multiple,
                                          equal_counts=self.dp_size > 1 and self.spec.moe is not None)
-        mbs = [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple) for units in plan]
-        if batch.routed_experts is not None and self._replay is not None:
-            from megatron_rl.policy.routing_replay import routing_rows
+        from megatron_rl.policy.routing_replay import attach
 
-            for mb in mbs:
-                mb.routing = None if mb.filler else routing_rows(batch.routed_experts, mb)
-        return mbs
+        return attach(batch, [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple)
+                              for units in plan], self._replay)
 
     def _forward(self, model, mb: batching.MicroBatchRows):
         """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns

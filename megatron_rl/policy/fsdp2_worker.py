@@ -59,6 +59,7 @@ from megatron_rl.policy.grad_ops import build_scheduler, restore_scheduler, sche
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.router_aux import RouterLogits, aux_loss
+from megatron_rl.policy.routing_replay import HFRoutingReplay, attach
 from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
@@ -173,6 +174,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen else None
         # hooks before FSDP wraps the layers (they stay on the router modules); None: no load-balancing loss
         self.router = RouterLogits(lm) if cfg.moe_aux_loss_coef > 0 else None
+        self._replay = HFRoutingReplay.install(lm, cfg.moe_routing_replay)  # MoE routing replay, or None
         if cfg.activation_recompute:  # each decoder layer's activations recomputed in its backward (HF's own hook,
             # which keeps the parameter names: a wrapper module would rename every tensor the export and DCP write)
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -257,7 +259,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         plan = packing.plan_microbatches(batch, shared=self.cfg.shared_prefix, varlen=self.varlen,
                                          max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
                                          dp_rank=self.dp_rank, multiple=1, equal_counts=self.dp_size > 1)
-        return [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
+        mbs = [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
+        return attach(batch, mbs, self._replay)
 
     def _score(self, mb: batching.MicroBatchRows, temperature: float, fields: StepFields | None = None):
         """(logprobs, entropy, the mb narrowed to the response window, extra LossInputs): the extras are top-k
@@ -270,6 +273,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             hf_attention_mask(mb.attention_mask.to(dev), positions, self.mask_kinds, self.dtype)
         teacher = None if fields is None or mb.filler else fields.teacher_topk(view, dev)
         topk = None if teacher is None else (view.resp_mask.to(dev), teacher[0])
+        if self._replay is not None:
+            self._replay.set(mb.routing)
         out = self.model(mb.tokens.to(dev), positions, window, view.targets.to(dev), temperature, mask, topk)
         if teacher is None:
             return *out, view, {}

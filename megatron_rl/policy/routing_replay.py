@@ -112,3 +112,58 @@ class MegatronRoutingReplay:
         flat = seq_major.reshape(-1, *seq_major.shape[2:])
         for moe_index, hook in self.layers:
             hook.target = flat[:, moe_index]
+
+
+# transformers' top-k routers whose output replay rebuilds: (logits, gate weights, indices), and whether the gate
+# weights are renormalised over the k experts (read from the module)
+_HF_ROUTERS = {"Qwen3MoeTopKRouter": lambda m: bool(m.norm_topk_prob), "MixtralTopKRouter": lambda m: True}
+
+
+class HFRoutingReplay:
+    """Installed on an HF causal LM (the FSDP2 backend): each top-k router's output is rebuilt with the micro-batch's
+    recorded experts, its gate weights the router's own softmax at them (renormalised as that router does)."""
+
+    def __init__(self, lm):
+        self.hooks: list[tuple[object, dict]] = []
+        for m in lm.modules():
+            renorm = _HF_ROUTERS.get(type(m).__name__)
+            if renorm is not None:
+                state = {"target": None, "renorm": renorm(m)}
+                m.register_forward_hook(lambda mod, args, out, state=state: self._replay(state, out))
+                self.hooks.append((m, state))
+        if not self.hooks:
+            moe = [type(m).__name__ for m in lm.modules() if "Router" in type(m).__name__ or "Gate" in type(m).__name__]
+            raise ValueError(f"policy.moe_routing_replay: no router of {type(lm).__name__} is one replay knows "
+                             f"({', '.join(_HF_ROUTERS)}; found {sorted(set(moe)) or 'none'}): set it to off")
+
+    @staticmethod
+    def _replay(state: dict, out):
+        target = state["target"]
+        if target is None:
+            return out
+        logits, weights, indices = out
+        indices = replayed_topk(target, logits, indices)
+        gate = torch.softmax(logits.float(), dim=-1).gather(1, indices)
+        if state["renorm"]:
+            gate = gate / gate.sum(dim=-1, keepdim=True)
+        return logits, gate.to(weights.dtype), indices
+
+    def set(self, routing: torch.Tensor | None) -> None:
+        """Before a micro-batch's forward: its `routing_rows` (None: route every token). HF routers see [b * s]."""
+        flat = None if routing is None else routing.reshape(-1, *routing.shape[2:])
+        for moe_index, (_, state) in enumerate(self.hooks):
+            state["target"] = None if flat is None else flat[:, moe_index]
+
+    @classmethod
+    def install(cls, lm, option: str) -> "HFRoutingReplay | None":
+        """Replay on `lm` unless `option` (policy.moe_routing_replay) is off or the model has no experts."""
+        experts = getattr(lm.config, "num_experts", None) or getattr(lm.config, "num_local_experts", None)
+        return cls(lm) if option != "off" and experts else None
+
+
+def attach(batch, mbs: list[MicroBatchRows], replay) -> list[MicroBatchRows]:
+    """The micro-batches with their `routing` when the batch carries a record and the model replays it."""
+    if batch.routed_experts is not None and replay is not None:
+        for mb in mbs:
+            mb.routing = None if mb.filler else routing_rows(batch.routed_experts, mb)
+    return mbs
