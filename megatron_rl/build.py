@@ -170,9 +170,19 @@ def spawn_engines(cfg: Config, placement, logs: Path, gen_bundles, share: float,
         options, env = placement.engine_placement(bundles, share)
         actor = ray.remote(GeneratorActor).options(**options, max_restarts=0).remote(
             cfg.generation, str(model_dir), max_model_len(cfg), cfg.grpo.seed, log, threads, env, lora,
-            deferred=True)
+            deferred=True, capture_routing=records_routing(cfg, model_dir))
         engines.append(RemoteGenerator(actor, name, log))
     return engines
+
+
+def records_routing(cfg: Config, model_dir: Path) -> bool:
+    """Whether the engines record each token's experts for the trainer to replay (policy.moe_routing_replay)."""
+    import json
+
+    from megatron_rl.config.moe_rules import routing_replay_enabled
+
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    return routing_replay_enabled(cfg, hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def start_teacher(cfg: Config, placement, logs: Path, sharing: int, share: float):

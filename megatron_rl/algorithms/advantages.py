@@ -102,6 +102,7 @@ class Sample(NamedTuple):
     answer: Any = None  # what the verifier extracted (samples.jsonl); None for multi-turn
     loss_mask: Any = None  # multi-turn: a bool tensor over the response, True on sampled tokens
     record: Optional[dict] = None  # more fields of its samples.jsonl line (multi-turn: turns, env_error)
+    routing: Any = None  # MoE routing replay: the engine's experts per token (algorithms/routing_records.py)
 
 
 @dataclass

@@ -193,7 +193,8 @@ def train_step(cfg: Config, c, step: int, loss_fn, checkpoint=None, rollout: Sam
     })
     # optional counters: present when their feature is on (importance masks, DAPO overlong handling)
     rec.update({k: m[k] for k in ("is_masked_token_frac", "is_masked_seq_frac", "reverse_kl") if k in m})
-    rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized", "num_fully_masked")
+    rec.update({k: gstats[k] for k in ("num_overlong_filtered", "num_overlong_penalized", "num_fully_masked",
+                                       "routing_recorded_frac")
                 if k in gstats})
     # mini-batch metrics are means over the optimizer steps; the positions fed add up over them
     rec["num_tokens_fed"] = m.get("num_tokens_fed", 0.0) * len(results)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.algorithms.advantages import Sample, dynamic_sample, group_advantages, sanitize_rewards
+from megatron_rl.algorithms.routing_records import recorded_fraction, sample_records
 from megatron_rl.config.schema import Config
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.rewards.shaping import overlong_penalty
@@ -40,11 +41,15 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
         rewards, texts, answers = score_samples(cfg, reward_fn, tokenizer, [items[i] for i in res.prompt_indices],
                                                 res.token_ids, res.finish_reasons, totals)
         totals["num_prompt_tokens"] += sum(len(it.prompt_ids) for it in items)  # prefilled once per prompt
+        routing = [None] * len(res.token_ids)
+        if res.routed_experts is not None:  # MoE routing replay (policy.moe_routing_replay)
+            routing = sample_records([items[i].prompt_ids for i in res.prompt_indices], res.token_ids,
+                                     res.routing_start, res.routed_experts)
         payloads = []
         for i, it in enumerate(items):
             idx = list(res.for_prompt(i))
             payloads.append((it, [Sample(res.token_ids[k], res.logprobs[k], texts[k], res.finish_reasons[k],
-                                         answers[k]) for k in idx]))
+                                         answers[k], routing=routing[k]) for k in idx]))
         return payloads, torch.tensor(rewards, dtype=torch.float32).view(len(items), G)
 
     groups = dynamic_sample(draw, cfg.grpo.num_prompts_per_step, cfg.grpo.advantage)
@@ -83,12 +88,13 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     baseline, but a cut-off reasoning chain is neither reinforced nor punished."""
     # no group kept (dynamic sampling dropped all): nothing to normalise
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
-    ids, plens, advs, gen_lps, gids, texts, masks, rews = [], [], [], [], [], [], [], []
+    ids, plens, advs, gen_lps, gids, texts, masks, rews, routing = [], [], [], [], [], [], [], [], []
     clean = sanitize_rewards(groups.rewards)[0] if len(groups.payloads) else None
     for gi, (item, samples) in enumerate(groups.payloads):
         for j, sample in enumerate(samples):
             tok, lps, text, finish = sample[:4]
-            loss_mask = Sample(*sample).loss_mask  # multi-turn (episodes.py): observations are not trained
+            # multi-turn (episodes.py): observations are not trained; MoE: the engine's experts per token
+            loss_mask, route = Sample(*sample).loss_mask, Sample(*sample).routing
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
                 continue
@@ -106,9 +112,13 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
             gids.append(gi)
             texts.append(text)
             masks.append(loss_mask)
+            routing.append(route)
     multiturn = any(m is not None for m in masks)
     batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids,
                          loss_mask=[m if m is not None else torch.ones(len(i) - p, dtype=torch.bool)
                                     for m, i, p in zip(masks, ids, plens)] if multiturn else None)
+    if routing and all(r is not None for r in routing):  # the trainer replays the engine's experts
+        batch.routed_experts = routing
+        stats["routing_recorded_frac"] = recorded_fraction(routing)
     stats["num_nonfinite_rewards"] = num_bad
     return Rollout(batch=batch, rewards=groups.rewards, completions=texts, stats=stats, seq_rewards=rews)

@@ -18,7 +18,7 @@ from megatron_rl.generation.interface import GenerationResult, StaleWeightsError
 class GeneratorActor:
     def __init__(self, cfg: GenerationConfig, model_path: str, max_model_len: int | None, seed: int,
                  log_path: str | None = None, threads: int | None = None, env: dict | None = None,
-                 lora: dict | None = None, *, deferred: bool = False):
+                 lora: dict | None = None, *, deferred: bool = False, capture_routing: bool = False):
         """`deferred`: only import vLLM now (seconds of one core, no device memory) and build the engine when
         `start_engine` is called: `build.build` starts these processes before the policy ranks so that the imports
         overlap the ranks' set-up, while the engine still measures the device's free memory after the trainer left."""
@@ -33,7 +33,8 @@ class GeneratorActor:
             # the engine decodes on `cfg.threads` (default 1); the driver decided this actor owns `threads` cores
             # while it generates (CPU phases alternate: the trainer is idle meanwhile)
             cfg = dataclasses.replace(cfg, threads=threads)
-        self._make = lambda: VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed, lora=lora)
+        self._make = lambda: VLLMGenerator(cfg, model_path, max_model_len=max_model_len, seed=seed, lora=lora,
+                                           capture_routing=capture_routing)
         self.engine = None
         if deferred:
             import vllm.entrypoints.llm  # noqa: F401  (what VLLMGenerator's `from vllm import LLM` imports)

@@ -139,17 +139,23 @@ def _merge(results: list[GenerationResult], shards: list[list[int]], num_prompts
            version: int) -> GenerationResult:
     """Per-engine results (prompt-major over each engine's prompts) back into one prompt-major result."""
     rows: list = [None] * num_prompts
+    routing = all(r.routed_experts is not None for r in results)  # MoE routing replay: every engine records
     for res, ix in zip(results, shards):
         for local, i in enumerate(ix):
-            rows[i] = [(res.token_ids[k], res.logprobs[k], res.finish_reasons[k]) for k in res.for_prompt(local)]
-    token_ids, logprobs, reasons, prompt_idx = [], [], [], []
+            rows[i] = [(res.token_ids[k], res.logprobs[k], res.finish_reasons[k],
+                        (res.routing_start[k], res.routed_experts[k]) if routing else None)
+                       for k in res.for_prompt(local)]
+    token_ids, logprobs, reasons, prompt_idx, records = [], [], [], [], []
     for i, samples in enumerate(rows):
-        for ids, lps, why in samples:
+        for ids, lps, why, rec in samples:
             token_ids.append(ids)
             logprobs.append(lps)
             reasons.append(why)
             prompt_idx.append(i)
+            records.append(rec)
     out = GenerationResult(token_ids, logprobs, reasons, prompt_idx, n, version)
+    if routing:
+        out.routing_start, out.routed_experts = [r[0] for r in records], [r[1] for r in records]
     secs = max((r.stats.get("generate_s", 0.0) for r in results), default=0.0)
     out.stats = {"generate_s": secs, "num_tokens": out.num_generated_tokens,
                  "tokens_per_s": out.num_generated_tokens / max(secs, 1e-9), "engines": len(results)}

@@ -7,7 +7,8 @@ A random model earns no reward, so the entropy bonus (grpo.loss.entropy_coef) gi
 test_deepscaler_chain.py. Asserts:
 - every step completes, its metrics are finite and not skipped, and the checkpoint records the EP=2 layout;
 - after each refit the engine's logprobs are the trainer's (median token_mult_prob_error <= 1.01, fp32): the refit
-  gathered every expert from both EP ranks;
+  gathered every expert from both EP ranks; and the trainer replayed the engine's experts for every token it fed
+  (policy.moe_routing_replay=auto; the replay itself is checked against HF in tests/distributed/test_moe_train.py);
 - the checkpointed experts (read back from megatron's distributed checkpoint, no megatron code) moved from the
   initial HF weights on both EP ranks, each by about the optimizer's step size: trained, and stored where the HF
   expert is (a gate/up or expert-index mix-up would move them by the weights' own scale);
@@ -64,6 +65,9 @@ def test_steps_complete_and_refits_match_the_trainer(run):
         for k in ("loss", "grad_norm", "entropy", "reward_mean", "token_mult_prob_error", "gen_kl_error"):
             assert math.isfinite(s[k]), (s["step"], k, s[k])
         assert s["grad_norm"] > 0 and not s["skipped"], s
+    # policy.moe_routing_replay is auto: the engine recorded every token's experts and the trainer replayed them; the
+    # prompts a group's siblings took from the prefix cache are filled from the sibling that ran them
+    assert all(s["routing_recorded_frac"] == 1.0 for s in steps), [s.get("routing_recorded_frac") for s in steps]
     errors = [s["token_mult_prob_error"] for s in steps]
     # NeMo-RL's form of the gate (median) and, fp32 being ~1e-6 off here, every step after a refit too
     assert statistics.median(errors) <= 1.01 and max(errors[1:]) <= 1.01, errors
