@@ -72,8 +72,36 @@ def test_valid_expert_layouts(tmp_path):
     (2, ["policy.moe_aux_loss_coef=-1"], {"num_experts": 4}, r"policy\.moe_aux_loss_coef must be >= 0, got -1"),
     # the world-size rule still holds with EP: tp*pp*dp ranks must fit the devices
     (2, ["policy.ep=2", "policy.dp=4"], {"num_experts": 4}, r"policy\.tp\*pp\*dp = 4 ranks do not fit cluster"),
+    (2, ["policy.moe_routing_replay=on"], {}, r"policy\.moe_routing_replay=on: the model has no experts"),
+    (2, ["policy.moe_routing_replay=on", "policy.activation_recompute=true", "policy.pp=2"], {"num_experts": 4},
+     r"policy\.moe_routing_replay=on with policy\.activation_recompute=true needs policy\.pp=1"),
+    (2, ["policy.moe_routing_replay=maybe"], {"num_experts": 4}, r"policy\.moe_routing_replay"),
 ])
 def test_bad_expert_layouts_name_the_key(tmp_path, devices, overrides, model, match):
     with pytest.raises(ConfigError, match=match) as e:
         _load(tmp_path, devices, *overrides, **model)
     assert "\n" not in str(e.value)
+
+
+def test_routing_replay_resolves_per_model_and_engine(tmp_path, monkeypatch):
+    """policy.moe_routing_replay=auto: on for a MoE model (the CPU engine records routing), off for a dense one and
+    where the engine cannot record (a GPU engine with CUDA graphs), where `on` is refused naming the key to change."""
+    from megatron_rl import platform
+    from megatron_rl.config.moe_rules import routing_replay_enabled
+
+    moe = _load(tmp_path, 2, num_experts=4)
+    assert moe.policy.moe_routing_replay == "auto" and routing_replay_enabled(moe, 4)
+    assert not routing_replay_enabled(_load(tmp_path, 2), None)
+    assert not routing_replay_enabled(_load(tmp_path, 2, "policy.moe_routing_replay=off", num_experts=4), 4)
+
+    class GPU:
+        is_gpu = True
+
+    monkeypatch.setattr("megatron_rl.config.moe_rules.get_platform", lambda: GPU())
+    assert not routing_replay_enabled(moe, 4)
+    moe.generation.enforce_eager = True
+    assert routing_replay_enabled(moe, 4)
+    moe.generation.enforce_eager, moe.policy.moe_routing_replay = False, "on"
+    with pytest.raises(ValueError, match=r"policy\.moe_routing_replay=on needs generation\.enforce_eager=true"):
+        routing_replay_enabled(moe, 4)
+    assert platform  # the real platform module is untouched (only the rule's reference was patched)
