@@ -156,9 +156,17 @@ class HFRoutingReplay:
 
     @classmethod
     def install(cls, lm, option: str) -> "HFRoutingReplay | None":
-        """Replay on `lm` unless `option` (policy.moe_routing_replay) is off or the model has no experts."""
+        """Replay on `lm` unless `option` (policy.moe_routing_replay) is off or the model has no experts; under
+        `auto` a model whose routers replay does not know routes every token itself (`on` refuses it)."""
         experts = getattr(lm.config, "num_experts", None) or getattr(lm.config, "num_local_experts", None)
-        return cls(lm) if option != "off" and experts else None
+        if option == "off" or not experts:
+            return None
+        try:
+            return cls(lm)
+        except ValueError:
+            if option == "on":
+                raise
+            return None
 
 
 def attach(batch, mbs: list[MicroBatchRows], replay) -> list[MicroBatchRows]:

@@ -37,6 +37,7 @@ def test_ranks_fork_from_one_preloaded_server_with_the_callers_environment(monke
     interpreters, children of the caller."""
     import os
 
+    monkeypatch.delenv("MEGATRON_RL_LAUNCH", raising=False)  # the default
     monkeypatch.setenv("MRL_LAUNCH_PROBE", "first")
     first = run_distributed(foundation_bodies.process_facts, world_size=2, args=("MRL_LAUNCH_PROBE",))
     monkeypatch.setenv("MRL_LAUNCH_PROBE", "second")

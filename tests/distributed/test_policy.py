@@ -102,7 +102,10 @@ def test_save_load_next_step_bit_identical(model_dir, tmp_path):
     r0 = res[0]
     assert r0["steps"] == (3, 3)
     assert r0["extra"] == {"data_position": 8}
-    assert r0["m_a"] == r0["m_b"]
+    # the step's metrics, but for the process's lifetime high-water mark of resident memory (ru_maxrss), which both
+    # workers of the rank share and which a rank forked from the fork server starts at the server's size
+    step = lambda m: {k: v for k, v in m.items() if k != "policy_peak_memory_gb"}  # noqa: E731
+    assert step(r0["m_a"]) == step(r0["m_b"])
     assert set(r0["a"]) == set(r0["b"])
     for k in r0["a"]:
         assert torch.equal(r0["a"][k], r0["b"][k]), k
