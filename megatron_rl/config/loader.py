@@ -143,7 +143,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {args}")
     if origin is typing.Literal:
-        if isinstance(value, bool) and {"on", "off"} <= set(args):  # YAML 1.1 reads a bare on/off as a boolean
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1 reads bare on/off as booleans
             value = "on" if value else "off"
         why = REFUSED_VALUES.get(path, {}).get(value) if isinstance(value, str) else None
         if why:

@@ -264,3 +264,16 @@ def test_reward_model_runs_derive_their_value_head_and_refuse_what_does_not_fit(
                         (["algorithm=rm", "data.path=null"], r"data\.path is required for algorithm=rm")):
         with pytest.raises(ConfigError, match=match):
             load_config(p, over, check_model=False)
+
+
+def test_bare_on_and_off_are_the_words_not_booleans(tmp_path):
+    """YAML 1.1 reads a bare `off` / `on` as a boolean: for a key whose values include the word it means the word,
+    in a file and on the command line (grpo.mismatch_guard=off was refused as `False` before)."""
+    p = tmp_path / "c.yaml"
+    p.write_text("defaults: base.yaml\ngrpo: {mismatch_guard: off}\n")
+    (tmp_path / "base.yaml").write_text(Path("configs/base.yaml").read_text())
+    assert load_config(p).grpo.mismatch_guard == "off"
+    cfg = load_config(p, ["grpo.loss.importance_mask=off", "grpo.mismatch_guard=off"])
+    assert (cfg.grpo.loss.importance_mask, cfg.grpo.mismatch_guard) == ("off", "off")
+    with pytest.raises(ConfigError, match=r"grpo\.mismatch_guard: True is not one of"):
+        load_config(p, ["grpo.mismatch_guard=on"])  # no such word among its values: still refused
