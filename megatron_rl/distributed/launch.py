@@ -39,14 +39,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
+def _method() -> str:
     method = os.environ.get("MEGATRON_RL_LAUNCH", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ValueError(f"MEGATRON_RL_LAUNCH={method!r}: expected 'forkserver' or 'spawn'")
-    ctx = mp.get_context(method)
-    if method == "forkserver":  # takes effect when the server starts (the first launch); later calls change nothing
-        ctx.set_forkserver_preload(["megatron_rl.distributed.launch_preload"])
-    return ctx
+    return method
+
+
+_SERVER = None  # this process's fork server for ranks (multiprocessing.forkserver.ForkServer), made on first use
+
+
+@contextlib.contextmanager
+def _own_fork_server():
+    """Forkserver processes started in the block fork from this module's server. multiprocessing has one
+    process-wide server, started by whichever user needs it first with that user's preload: the verifier pool's
+    preloads math-verify (rewards/pool.py), and ranks forked from it would import torch and megatron-core again (and
+    verifier workers forked from ours would lack math-verify). multiprocessing's forkserver Popen asks the module-level
+    `connect_to_new_process` for each child, which points at our server for the block's duration (a process started
+    from another thread meanwhile would come from ours too: correct, only without its own preload)."""
+    from multiprocessing import forkserver
+
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = forkserver.ForkServer()
+        _SERVER.set_forkserver_preload(["megatron_rl.distributed.launch_preload"])
+    saved = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = _SERVER.connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = saved
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int,
@@ -102,7 +124,8 @@ def _environment(env: dict[str, str]):
 
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 600.0,
                     threads_per_rank: int | None = None) -> list[Any]:
-    ctx = _context()
+    method = _method()
+    ctx = mp.get_context(method)
     queue = ctx.Queue()
     port = free_port()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
@@ -112,8 +135,9 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
         env = dict(os.environ)  # cannot re-run that main; fn must be importable anyway)
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads, env), daemon=True)
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _own_fork_server() if method == "forkserver" else contextlib.nullcontext():
+            for p in procs:
+                p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     import queue as _q

@@ -33,11 +33,17 @@ def test_harness_reports_rank_failure():
 def test_ranks_fork_from_one_preloaded_server_with_the_callers_environment(monkeypatch, tmp_path):
     """The ranks are forks of one fork server per caller that has imported megatron-core (launch.py), yet each
     launch sees what a spawned process would: the caller's environment and working directory at the time of the
-    call, and a fresh address space (nothing a previous rank set). MEGATRON_RL_LAUNCH=spawn gives fresh
-    interpreters, children of the caller."""
+    call, and a fresh address space (nothing a previous rank set). The server is the launcher's own, not
+    multiprocessing's process-wide one, which another user (the verifier pool) may have started first with its own
+    preload. MEGATRON_RL_LAUNCH=spawn gives fresh interpreters, children of the caller."""
+    import multiprocessing
     import os
+    from multiprocessing import forkserver
 
     monkeypatch.delenv("MEGATRON_RL_LAUNCH", raising=False)  # the default
+    other = multiprocessing.get_context("forkserver").Process(target=os.getpid)  # the process-wide server, first
+    other.start()
+    other.join()
     monkeypatch.setenv("MRL_LAUNCH_PROBE", "first")
     first = run_distributed(foundation_bodies.process_facts, world_size=2, args=("MRL_LAUNCH_PROBE",))
     monkeypatch.setenv("MRL_LAUNCH_PROBE", "second")
@@ -45,6 +51,7 @@ def test_ranks_fork_from_one_preloaded_server_with_the_callers_environment(monke
     second = run_distributed(foundation_bodies.process_facts, world_size=2, args=("MRL_LAUNCH_PROBE",))
     ranks = first + second
     assert len({r["ppid"] for r in ranks}) == 1 and ranks[0]["ppid"] != os.getpid(), ranks  # one server
+    assert ranks[0]["ppid"] != forkserver._forkserver._forkserver_pid  # ... and not the process-wide one
     assert [r["env"] for r in ranks] == ["first"] * 2 + ["second"] * 2
     assert [r["cwd"] for r in second] == [str(tmp_path)] * 2
     assert [r["mark"] for r in ranks] == [None] * 4
