@@ -123,8 +123,7 @@ class ForwardPass:
         if self.spec.moe is not None and getattr(cfg, "moe_routing_replay", "off") != "off":
             from megatron_rl.policy.routing_replay import MegatronRoutingReplay
 
-            self._replay = MegatronRoutingReplay(gpt, sequence_parallel=tcfg.sequence_parallel,
-                                                 tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.tp_size)
+            self._replay = MegatronRoutingReplay(gpt)
 
     def _enable_shared_prefix(self, gpt) -> bool:
         """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""

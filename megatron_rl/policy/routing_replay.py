@@ -15,8 +15,8 @@ own top-k, as megatron-core does under its RouterReplay.
 
 Layout: `routing_rows` lays the records out like the micro-batch's tokens ([b, s], `MicroBatchRows.source` and
 `position_ids` say which token of which sequence each position holds). The Megatron backend's routers see tokens
-sequence-major ([s, b] flattened; a THD row is [t, 1]), split over the tensor-parallel ranks when sequence
-parallelism is on; the FSDP2 backend's HF routers see them batch-major ([b, s] flattened).
+sequence-major ([s, b] flattened; a THD row is [t, 1]), each pipeline stage its own layers; the FSDP2 backend's HF
+routers see them batch-major ([b, s] flattened).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def routing_rows(routed: list[torch.Tensor], mb: MicroBatchRows) -> torch.Tensor
     return out
 
 
-def replayed_topk(target: torch.Tensor | None, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def replayed_topk(target: torch.Tensor | None, indices: torch.Tensor) -> torch.Tensor:
     """The experts to use: `target`'s for tokens it records (no -1 in their row), the router's own `indices`
     elsewhere. Both [tokens, k]."""
     if target is None:
@@ -70,7 +70,7 @@ class _MegatronRouterReplay:
         values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.target is None:
             return values, indices
-        indices = replayed_topk(self.target, scores, indices)
+        indices = replayed_topk(self.target, indices)
         return scores.gather(1, indices), indices
 
 
@@ -85,7 +85,7 @@ def moe_layer_pattern(tcfg) -> list[bool]:
 class MegatronRoutingReplay:
     """Installed on a GPTModel stage: each of its MoE routers replays its layer of the micro-batch's record."""
 
-    def __init__(self, gpt, *, sequence_parallel: bool, tp_rank: int, tp_size: int):
+    def __init__(self, gpt):
         from megatron.core.transformer.moe.router import TopKRouter
 
         pattern = moe_layer_pattern(gpt.config)
@@ -96,8 +96,6 @@ class MegatronRoutingReplay:
                 hook = _MegatronRouterReplay()
                 router.router_replay = hook
                 self.layers.append((sum(pattern[:layer.layer_number - 1]), hook))  # layer_number: global, 1-based
-        self.split = tp_size if sequence_parallel else 1
-        self.tp_rank = tp_rank
 
     def set(self, routing: torch.Tensor | None) -> None:
         """Before a micro-batch's forward on this stage: its `routing_rows` (None: route every token)."""
@@ -105,10 +103,9 @@ class MegatronRoutingReplay:
             for _, hook in self.layers:
                 hook.target = None
             return
-        seq_major = routing.transpose(0, 1)  # [s, b, layers, k], the order of megatron's [s, b, h] activations
-        if self.split > 1:  # sequence parallelism: this rank's slice of the sequence dimension
-            chunk = seq_major.shape[0] // self.split
-            seq_major = seq_major[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
+        # [s, b, layers, k], the order of megatron's [s, b, h] activations. Whole: MoE runs at TP 1
+        # (parallel_dims.check_expert_split), so no rank holds a sequence-parallel slice
+        seq_major = routing.transpose(0, 1)
         flat = seq_major.reshape(-1, *seq_major.shape[2:])
         for moe_index, hook in self.layers:
             hook.target = flat[:, moe_index]
@@ -142,7 +139,7 @@ class HFRoutingReplay:
         if target is None:
             return out
         logits, weights, indices = out
-        indices = replayed_topk(target, logits, indices)
+        indices = replayed_topk(target, indices)
         gate = torch.softmax(logits.float(), dim=-1).gather(1, indices)
         if state["renorm"]:
             gate = gate / gate.sum(dim=-1, keepdim=True)

@@ -229,10 +229,10 @@ def hf_forced_logprobs(model_dir: str, batch: RolloutBatch, temperature: float) 
 
 
 def routing_replay(rank: int, world_size: int, model_dir: str):
-    """policy.moe_routing_replay on both backends (megatron at EP=2, fsdp2 at DP=2): `replay_batch`'s logprobs
-    without its record, with it (logprobs, the training step's own, reference), with padded rows (a shared-prefix row
-    with a mask) and varlen rows (megatron: cascade THD; fsdp2: one masked row), and with the option off; on rank 0
-    also HF's with and without the forced experts."""
+    """policy.moe_routing_replay on both backends (megatron at EP=2, fsdp2 at DP=2): `replay_batch`'s
+    logprobs without its record, with it (logprobs, the training step's own, reference), with padded rows (a shared-
+    prefix row with a mask) and varlen rows (megatron: cascade THD; fsdp2: one masked row), and with the option off;
+    on rank 0 also HF's with and without the forced experts."""
     import dataclasses
     import json
 
@@ -245,26 +245,29 @@ def routing_replay(rank: int, world_size: int, model_dir: str):
     batch = replay_batch(hf["vocab_size"], experts, hf["num_hidden_layers"], hf["num_experts_per_tok"])
     plain = dataclasses.replace(batch, routed_experts=None)
     res = {}
-    for backend, worker, ep in (("megatron", MegatronPolicyWorker, 2), ("fsdp2", FSDP2PolicyWorker, 1)):
-        for mode, option in (("none", "auto"), ("varlen", "on"), ("none_off", "off")):
-            cfg = PolicyConfig(model=model_dir, backend=backend, ep=ep, precision="fp32", shared_prefix=True,
-                               packing=mode.split("_")[0], moe_routing_replay=option, max_tokens_per_microbatch=64,
-                               optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS))
-            w = worker(rank, world_size, policy_cfg=cfg)
-            w.setup()
-            got = {"plain": _merge(_gather_obj(w.logprobs(plain, temperature=TEMP))),
-                   "replay": _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))}
-            if mode != "none_off":
-                got["reference"] = _merge(_gather_obj(w.reference_logprobs(batch, temperature=TEMP)))
-                out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
-                got["train"] = _merge([o["logprobs"] for o in out])
-                mbs = w._micro_batches(batch)
-                got["ranks"] = _gather_obj({  # the group's two members in one row (the shared prompt fed once)
-                    "group_in_one_row": any(any({0, 1} <= set(row.tolist()) for row in mb.source) for mb in mbs),
-                    "most_rows": max(mb.tokens.shape[0] for mb in mbs)})
-            res[backend, mode] = {k: v if k == "ranks" else [v[i] for i in range(len(batch))]
-                                  for k, v in got.items()}
-            del w
+    cases = [(backend, worker, ep, mode, option)
+             for backend, worker, ep in (("megatron", MegatronPolicyWorker, 2), ("fsdp2", FSDP2PolicyWorker, 1))
+             for mode, option in (("none", "auto"), ("varlen", "on"), ("none_off", "off"))]
+    for backend, worker, ep, mode, option in cases:
+        cfg = PolicyConfig(model=model_dir, backend=backend, ep=ep, precision="fp32", shared_prefix=True,
+                           packing=mode.split("_")[0], moe_routing_replay=option,
+                           max_tokens_per_microbatch=64,
+                           optimizer=OptimizerConfig(lr=LR, weight_decay=0.0, clip_grad=1.0, adam_eps=EPS))
+        w = worker(rank, world_size, policy_cfg=cfg)
+        w.setup()
+        got = {"plain": _merge(_gather_obj(w.logprobs(plain, temperature=TEMP))),
+               "replay": _merge(_gather_obj(w.logprobs(batch, temperature=TEMP)))}
+        if mode != "none_off":
+            got["reference"] = _merge(_gather_obj(w.reference_logprobs(batch, temperature=TEMP)))
+            out = [o for o in _gather_obj(w.train(batch, pg_loss, temperature=TEMP)) if o]
+            got["train"] = _merge([o["logprobs"] for o in out])
+            mbs = w._micro_batches(batch)
+            got["ranks"] = _gather_obj({  # the group's two members in one row (the shared prompt fed once)
+                "group_in_one_row": any(any({0, 1} <= set(row.tolist()) for row in mb.source) for mb in mbs),
+                "most_rows": max(mb.tokens.shape[0] for mb in mbs)})
+        res[backend, mode] = {k: v if k == "ranks" else [v[i] for i in range(len(batch))]
+                              for k, v in got.items()}
+        del w
     if rank != 0:
         return None
     res["hf_forced"] = hf_forced_logprobs(model_dir, batch, TEMP)

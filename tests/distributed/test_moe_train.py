@@ -72,19 +72,19 @@ def replay(model_dir):
     return run_distributed(moe_train_bodies.routing_replay, 2, args=(model_dir,), timeout=TIMEOUT)[0]
 
 
-@pytest.mark.parametrize("backend", ["megatron", "fsdp2"])
-@pytest.mark.parametrize("mode", ["none", "varlen"])
+@pytest.mark.parametrize("backend,mode", [("megatron", "none"), ("megatron", "varlen"), ("fsdp2", "none"),
+                                          ("fsdp2", "varlen")])
 def test_routing_replay_equals_hf_with_the_recorded_experts(replay, backend, mode):
-    """policy.moe_routing_replay (R3), megatron at EP=2 and fsdp2 at DP=2: with the batch's record of experts (random ones, so most differ from
-    the router's own top-k; none for some tokens) the trainer's logprobs - its logprobs pass, its training step's
-    own and the reference pass - equal HF transformers' with its routers forced to those experts (gate weights from
-    its own softmax), to the dense model's fp32 tolerance, in a shared-prefix row (padded with a mask, and varlen:
-    megatron's cascade THD row, fsdp2's masked row). Without the record they equal HF's own routing; and the two differ, so the record was
-    used."""
+    """policy.moe_routing_replay (R3), megatron at EP=2 and fsdp2 at DP=2: with the batch's record of experts
+    (random ones, so most differ from the router's own top-k; none for some tokens) the trainer's logprobs - its
+    logprobs pass, its training step's own and the reference pass - equal HF transformers' with its routers forced
+    to those experts (gate weights from its own softmax), to the dense model's fp32 tolerance, in a shared-prefix
+    row (padded with a mask, and varlen: megatron's cascade THD row, fsdp2's masked row). Without the record they
+    equal HF's own routing; and the two differ, so the record was used."""
     got, forced, plain = replay[backend, mode], replay["hf_forced"], replay["hf_plain"]
     assert any(r["group_in_one_row"] for r in got["ranks"])  # on the rank that holds the group
     if mode == "none":
-        assert max(r["most_rows"] for r in got["ranks"]) > 1  # router order [s, b] differs from the rows' [b, s]
+        assert max(r["most_rows"] for r in got["ranks"]) > 1  # the router's order [s, b] is not the rows' [b, s]
     for name in ("replay", "train", "reference"):
         for a, b in zip(got[name], forced):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{backend} {mode} {name}")
