@@ -93,8 +93,8 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     for gi, (item, samples) in enumerate(groups.payloads):
         for j, sample in enumerate(samples):
             tok, lps, text, finish = sample[:4]
-            # multi-turn (episodes.py): observations are not trained; MoE: the engine's experts per token
-            loss_mask, route = Sample(*sample).loss_mask, Sample(*sample).routing
+            s = Sample(*sample)  # multi-turn (episodes.py): observations are not trained; MoE: the engine's experts
+            loss_mask, route = s.loss_mask, s.routing
             if len(tok) == 0:
                 stats["num_empty_responses"] = stats.get("num_empty_responses", 0) + 1
                 continue
