@@ -155,6 +155,11 @@ class VLLMGenerator(Generator):
         threads_before = torch.get_num_threads()
         from vllm import LLM
 
+        # The engine's start runs full garbage collections (five for a tiny model on CPU), each walking every object
+        # the imports of torch, transformers and vLLM made, which live as long as the process anyway. Moved to the
+        # permanent generation first, they are skipped: LLM() took 3.8 s instead of 4.9 s for a tiny Llama on CPU
+        # (2-core Intel Xeon with AMX, 2026-12-07).
+        gc.freeze()
         t0 = time.perf_counter()
         try:
             self._llm = LLM(**kwargs)

@@ -1,14 +1,6 @@
-"""Imported once by the verifier workers' forkserver (never by the trainer): every worker forked from it starts with
-math-verify, sympy and reasoning-gym loaded and warm, so replacing a killed worker takes milliseconds, not seconds."""
-import logging
-
-logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-import reasoning_gym  # noqa: E402,F401
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify  # noqa: E402
-
-verify(parse("\\boxed{\\frac{1}{2}}", parsing_timeout=None), parse("\\boxed{0.5}", parsing_timeout=None),
-       timeout_seconds=None)
-# free-text extraction (math_answer.parse_free_text): its regexes compile once, here, not in every worker
-parse("so $x = \\frac{1}{2}$", [LatexExtractionConfig()], parsing_timeout=None)
-parse("so x = 1/2", [LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
+"""Imported once by a verifier workers' forkserver (never by the trainer): every worker forked from it starts with
+its reward kind's libraries loaded and warm, so replacing a killed worker takes milliseconds, not seconds. This
+module loads both kinds' (`_preload_gym`: reasoning-gym; `_preload_math`: math-verify and sympy); a reward pool
+preloads only its kind's (`reward_fn.PRELOAD`)."""
+import megatron_rl.rewards._preload_gym  # noqa: F401
+import megatron_rl.rewards._preload_math  # noqa: F401

@@ -24,31 +24,34 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_rl.mp_main import main_hidden
 from megatron_rl.rewards import worker
 
-_PRELOAD = ["megatron_rl.rewards._preload"]
+_PRELOAD = ("megatron_rl.rewards._preload",)  # every verifier library (reward_fn.PRELOAD: one reward kind's)
 _KILL_GRACE_S = 1.0  # the soft timeout normally wins; this backstop only matters for work stuck in C
 _STARTUP_TIMEOUT_S = 120.0  # first start imports sympy & co. in the forkserver; generous on a loaded 2-core box
 _MAX_ATTEMPTS = 2  # a task whose worker died under it is retried once, then counted as an error
 
 
-def _mp_context():
+def _mp_context(preload: Sequence[str] = _PRELOAD):
     try:
         ctx = multiprocessing.get_context("forkserver")
     except ValueError:  # platforms without fork
         return multiprocessing.get_context("spawn")
     # no "__main__" in the list: the forkserver does not run the trainer's main either (see TimeoutPool._start)
-    ctx.set_forkserver_preload(_PRELOAD)
+    # the preload of the process's first forkserver start counts (multiprocessing keeps one server per process)
+    ctx.set_forkserver_preload(list(preload))
     return ctx
 
 
 class TimeoutPool:
     def __init__(self, num_workers: int, memory_mb: int, *, warm: Sequence[Callable] = (),
-                 grace_s: float = _KILL_GRACE_S):
+                 grace_s: float = _KILL_GRACE_S, preload: Sequence[str] = _PRELOAD):
         """`warm`: the module-level functions map() will be given; every worker imports them before it counts as
-        started, so a first task never pays an import against its deadline."""
+        started, so a first task never pays an import against its deadline. `preload`: modules the workers'
+        forkserver imports once (the libraries `warm` uses), so that each worker starts with them loaded."""
         if num_workers < 1:
             raise ValueError(f"reward.num_workers must be >= 1, got {num_workers}")
         self.num_workers, self.memory_mb, self.grace_s = num_workers, memory_mb, grace_s
         self.warm = tuple(warm)
+        self.preload = tuple(preload)
         self.num_restarts = 0
         self._pool: Optional[ProcessPoolExecutor] = None
         # concurrent.futures joins its workers at exit: a worker still stuck there would hang the trainer's exit
@@ -56,9 +59,11 @@ class TimeoutPool:
 
     # -- lifecycle --
     def _start(self) -> None:
-        ctx = _mp_context()
+        ctx = _mp_context(self.preload)
         ready, go = ctx.SimpleQueue(), ctx.Event()
-        warm = [(f.__module__, f.__qualname__) for f in self.warm]  # imported by name in the worker: see init_worker
+        # imported by name in the worker (see init_worker); the preload too, a no-op where the forkserver ran it (one
+        # server per process: an earlier pool of another reward kind may have started it with its own preload)
+        warm = [(m, None) for m in self.preload] + [(f.__module__, f.__qualname__) for f in self.warm]
         # the workers never re-run the trainer's main module: all they run is named by importable modules, a
         # script would repeat its imports in every worker, and a main that is no file (`python -`, a notebook)
         # cannot be re-run at all. Workers are launched on demand, by submit: every launch is inside this block.

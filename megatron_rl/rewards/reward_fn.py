@@ -12,6 +12,9 @@ from megatron_rl.config.schema import RewardConfig
 from megatron_rl.rewards import worker
 from megatron_rl.rewards.pool import TimeoutPool
 
+# what the verifier workers' forkserver imports per reward kind: a run loads only its own kind's libraries
+PRELOAD = {"reasoning_gym": ("megatron_rl.rewards._preload_gym",), "math": ("megatron_rl.rewards._preload_math",)}
+
 
 def resolve_kind(cfg_kind: str, dataset_kind: str) -> str:
     """RewardConfig.kind, with "auto" meaning reasoning-gym's own scorer for reasoning-gym data and math-verify
@@ -39,7 +42,8 @@ class RewardFn:
         if self.kind not in ("reasoning_gym", "math"):
             raise ValueError(f"reward.kind {self.kind!r} is not one of auto, reasoning_gym, math")
         self._scorer = scorer or worker.score_sample
-        self._pool = TimeoutPool(cfg.num_workers, cfg.worker_memory_mb, warm=(self._scorer,))
+        self._pool = TimeoutPool(cfg.num_workers, cfg.worker_memory_mb, warm=(self._scorer,),
+                                 preload=PRELOAD[self.kind])
 
     def _payload(self, item: Any, completion: str) -> dict[str, Any]:
         p = {"kind": self.kind, "completion": completion, "answer": item.answer,

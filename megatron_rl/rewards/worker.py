@@ -74,8 +74,8 @@ def _traceback_tail(max_chars: int = 3000) -> str:
 
 def _init_worker(memory_mb: int, warm: Sequence[tuple[str, str]], go: Any, owner_pid: int) -> None:
     global _GO
-    for module, qualname in warm:
-        resolve(module, qualname)
+    for module, qualname in warm:  # qualname None: a whole module (a preload the forkserver did not run)
+        resolve(module, qualname) if qualname is not None else importlib.import_module(module)
     limit_address_space(memory_mb)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # math-verify warns that its own (signal-based) timeouts are off: we time out around it instead

@@ -20,6 +20,26 @@ def ray_cluster():
     shutdown_ray()
 
 
+def test_local_cluster_starts_no_idle_workers(ray_cluster):
+    """init_ray's private cluster prestarts no idle worker (Ray's default starts one per CPU for the first driver;
+    every process this project runs in Ray is an actor's own): none of this process's descendants becomes ray::IDLE
+    within the seconds Ray would take to start them. Runs before any actor of this file exists."""
+    import psutil
+
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        idle = [p for p in psutil.Process().children(recursive=True) if _title(p).startswith("ray::IDLE")]
+        assert not idle, [p.pid for p in idle]
+        time.sleep(0.25)
+
+
+def _title(p) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return ""
+
+
 def test_group_forms_a_gloo_world(ray_cluster, tmp_path):
     placement = reserve(2)
     group = WorkerGroup(AllReduceWorker, placement, name="t", share=0.5, log_dir=str(tmp_path), threads=1)

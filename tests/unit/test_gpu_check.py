@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("train", "varlen_train", "logprob_kernel", "kernel_checks", "offload", "handover_memory", "ipc_refit", "ray_placement",
             "save_after_handover", "fsdp2_train")
@@ -41,8 +43,25 @@ def _dry_run(tmp_path, env_extra=None, sections=None):
     return proc, report
 
 
-def test_gpu_check_dry_run(tmp_path):
-    proc, report = _dry_run(tmp_path)
+@pytest.fixture(scope="module")
+def machine_dry_run(tmp_path_factory):
+    """One dry run for the two tests below (each ~40 s on 2 cores): importing only what the lent GPU machine has.
+    It runs every section as an unrestricted dry run would (the blocker refuses imports, it changes no code path),
+    so its report is the one the dry run's checks read."""
+    tmp_path = tmp_path_factory.mktemp("gpu_check")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)  # every process the check starts (spawned ranks) inherits it
+    refused = tmp_path / "refused.txt"
+    allowed = _machine_imports()
+    env = {"GPU_CHECK_ALLOWED": json.dumps(sorted(allowed)), "GPU_CHECK_REFUSED": str(refused),
+           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    proc, report = _dry_run(tmp_path, env)
+    return proc, report, allowed, env, refused
+
+
+def test_gpu_check_dry_run(machine_dry_run):
+    proc, report = machine_dry_run[:2]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith(json.dumps(report, indent=2))  # the same JSON, last on stdout
     assert report["mode"] == "dry_run" and report["device_type"] == "cpu" and report["ok"] is True
@@ -186,19 +205,12 @@ def _machine_imports() -> set[str]:
     return tops | (set(sys.stdlib_module_names) - _GONE_IN_312) | _PROJECT
 
 
-def test_dry_run_imports_only_what_the_gpu_machine_has(tmp_path):
+def test_dry_run_imports_only_what_the_gpu_machine_has(machine_dry_run):
     """Every section runs, and passes, with only the machine's imports and the carried wheels' (Ray included: it
     travels in two parts, bench/carry_wheels.sh); an import of anything else is refused."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_BLOCKER)  # every process the check starts (spawned ranks) inherits it
-    refused = tmp_path / "refused.txt"
-    allowed = _machine_imports()
+    proc, report, allowed, env, refused = machine_dry_run
     assert {"torch", "triton", "megatron", "transformers", "safetensors", "ray"} <= allowed
     assert "vllm" not in allowed
-    env = {"GPU_CHECK_ALLOWED": json.dumps(sorted(allowed)), "GPU_CHECK_REFUSED": str(refused),
-           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
-    proc, report = _dry_run(tmp_path, env)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report is not None, log
     failed = {n: r["error"] for n, r in report["sections"].items() if "error" in r}

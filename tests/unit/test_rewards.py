@@ -328,3 +328,32 @@ def test_reasoning_gym_chain_sum_scoring():
         rewards, stats = rf.score(items, completions)
     assert rewards == pytest.approx([1.5, 0.5, 0.0])
     assert stats["num_format_ok"] == 2 and stats["num_no_answer"] == 1 and stats["num_correct"] == 1
+
+
+_PROBE = '''
+import sys
+
+def score(payload):  # 1.0 when the worker has math-verify loaded
+    return {"score": float("math_verify" in sys.modules), "format_ok": False, "answer": None}
+'''
+
+
+@pytest.mark.parametrize("kind,loaded", [("reasoning_gym", 0.0), ("math", 1.0)])
+def test_verifier_workers_preload_only_their_reward_kinds_libraries(tmp_path, kind, loaded):
+    """A pool's forkserver preloads its reward kind's libraries only (reward_fn.PRELOAD): reasoning-gym rewards never
+    call math-verify, whose import and warm-up cost ~2.5 s of a core per run. Each kind in a fresh process (the
+    forkserver is one per process); the probe scorer reports what its worker has loaded."""
+    import subprocess
+
+    (tmp_path / "probe_scorer.py").write_text(_PROBE)
+    code = (f"from megatron_rl.config.schema import RewardConfig\n"
+            f"from megatron_rl.rewards.reward_fn import RewardFn\n"
+            f"from tests.unit.test_rewards import item\n"
+            f"import probe_scorer\n"
+            f"with RewardFn(RewardConfig(timeout_s=30.0), {kind!r}, scorer=probe_scorer.score) as rf:\n"
+            f"    print(rf.score([item('1', task='chain_sum', task_params={{}}, entry={{}})], ['x'])[0])\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == str([loaded]), r.stdout
