@@ -16,6 +16,7 @@ import torch
 
 from megatron_rl.algorithms.advantages import Sample, dynamic_sample
 from megatron_rl.algorithms.multiturn import Limits, LocalEngines, RayEngines, run_trajectories
+from megatron_rl.algorithms.routing_records import fill_shared_prefixes, sequence_record
 from megatron_rl.algorithms.samples import episode_fields
 from megatron_rl.config.schema import Config
 
@@ -62,6 +63,7 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
         totals["env_errors"] += st["env_errors"]
         if "env_error_first" in st:
             totals.setdefault("env_error_first", st["env_error_first"])
+        routing = _records(trajs)
         payloads, rewards = [], []
         for i, it in enumerate(items):
             group = trajs[i * G:(i + 1) * G]
@@ -71,14 +73,14 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
             opened = [t.prompt_ids for t in group if t.prompt_ids]  # failed resets have no prompt
             shared = _common_prefix(opened) if opened else list(it.prompt_ids)
             samples = []
-            for t in group:
+            for j, t in enumerate(group):
                 head = t.prompt_ids[len(shared):] if t.prompt_ids else []
                 resp = head + t.response_ids
                 # an environment failure is no truncation (the DAPO overlong filter must not drop it as one)
                 finish = "length" if t.finish == "length" else "stop"
                 samples.append(Sample(resp, [0.0] * len(head) + t.gen_logprobs, tokenizer.decode(t.response_ids),
                                       finish, None, torch.tensor([False] * len(head) + t.mask, dtype=torch.bool),
-                                      record=episode_fields(t, tokenizer)))
+                                      record=episode_fields(t, tokenizer), routing=routing[i * G + j]))
                 for k, v in t.metrics.items():  # the environment's own step metrics, summed over the trajectory
                     env_sums[k] = env_sums.get(k, 0.0) + v
                 totals["num_generated_tokens"] += sum(t.mask)
@@ -102,6 +104,17 @@ def sample_episodes(cfg: Config, generator, stream, env_pool, tokenizer, version
     # own cannot collide with the loop's metrics)
     totals.update({f"env/{k}": v / n for k, v in sorted(env_sums.items())})
     return groups, totals
+
+
+def _records(trajs: list) -> list:
+    """MoE routing replay: each trajectory's record over its whole sequence (the batch's prompt + response is
+    `t.ids`), its turns' segments joined and the call's shared prefixes filled from each other; all None unless
+    every trajectory has its turns' records (a failed reset ran no turn: the batch is routed by the trainer)."""
+    if not trajs or any(not t.routing or not t.ids for t in trajs):
+        return [None] * len(trajs)
+    records = [sequence_record(len(t.ids), t.routing) for t in trajs]
+    fill_shared_prefixes([t.ids for t in trajs], records)
+    return records
 
 
 def _common_prefix(seqs: list[list[int]]) -> list[int]:

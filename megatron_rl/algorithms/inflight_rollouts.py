@@ -43,6 +43,7 @@ from megatron_rl.algorithms.advantages import Sample, SampledGroups, groups_with
 from megatron_rl.algorithms.async_rollouts import SampledRollout
 from megatron_rl.algorithms.multiturn import LocalEngines, RayEngines
 from megatron_rl.algorithms.rollout import score_samples
+from megatron_rl.algorithms.routing_records import sample_records
 from megatron_rl.generation.requests import expand_versions
 
 POLL_S = 0.05  # one engine call's longest run: how long a refit may wait for the engine (and the producer for news)
@@ -55,6 +56,7 @@ class _Group:
     target: int  # the step it was admitted for (partial rollouts off: the step that trains it)
     engine: int
     samples: dict = field(default_factory=dict)  # j -> (ids, logprobs, finish, version change points)
+    routing: dict = field(default_factory=dict)  # j -> the engine's (start, experts) where it records its routing
     rewards: list | None = None
     texts: list | None = None
     answers: list | None = None
@@ -177,6 +179,8 @@ class InflightPipeline:
                 gid, j = (int(x) for x in key[1:].split("-"))
                 g = self.groups[gid]
                 g.samples[j] = (ids, lps, finish, res["versions"][key])
+                if key in res.get("routing", ()):  # MoE routing replay
+                    g.routing[j] = res["routing"][key]
                 if len(g.samples) == self.G:
                     complete.append(g)
                     self.durations.append(time.monotonic() - g.t_admit)
@@ -267,7 +271,7 @@ class InflightPipeline:
     def _rollout(self, step: int, weights_step: int, groups: list[_Group], dropped: int) -> SampledRollout:
         payloads, rewards, oldest, masked = [], [], weights_step, 0
         for g in groups:
-            samples = []
+            samples, routing = [], _group_records(g, self.G)
             for j in range(self.G):
                 ids, lps, finish, marks = g.samples[j]
                 steps = [self.version_step[v] for v in expand_versions(marks, len(ids))]
@@ -277,7 +281,7 @@ class InflightPipeline:
                     oldest = min(oldest, min(s for s, kept in zip(steps, keep.tolist()) if kept))
                 samples.append(Sample(ids, lps, g.texts[j], finish, g.answers[j],
                                       None if bool(keep.all()) else keep,
-                                      {"weight_steps": sorted(set(steps))}))
+                                      {"weight_steps": sorted(set(steps))}, routing[j]))
             payloads.append((g.item, samples))
             rewards.append(g.rewards)
         totals: dict = {}
@@ -340,6 +344,18 @@ class InflightPipeline:
             self.lock.notify_all()
         self.thread.join(timeout=60)
         self.engines.abort()
+
+
+def _group_records(g: _Group, G: int) -> list:
+    """MoE routing replay: the group's full-sequence records, the shared prompt's cached positions filled from the
+    sibling that ran them (routing_records.sample_records); all None unless every sample has its engine record (an
+    engine that records no routing: the trainer routes the group). A request a refit preempted and re-prefilled
+    (grpo.inflight_kv_cache=recompute) has the record of its re-run: the experts its tokens' cached state came
+    from."""
+    if len(g.routing) < G:
+        return [None] * G
+    return sample_records([g.item.prompt_ids] * G, [g.samples[j][0] for j in range(G)],
+                          [g.routing[j][0] for j in range(G)], [g.routing[j][1] for j in range(G)])
 
 
 def _restored_items(restored: list[dict] | None) -> list:

@@ -50,6 +50,9 @@ class Trajectory:
     env_error: Optional[str] = None
     metrics: dict = field(default_factory=dict)
     env_s: float = 0.0
+    # MoE routing replay: per turn, what the engine ran of the sequence, (first position, experts [tokens, layers,
+    # k]) (algorithms/routing_records.sequence_record); None once a turn came back without one
+    routing: Optional[list] = field(default_factory=list)
 
     @property
     def response_ids(self) -> list[int]:
@@ -163,8 +166,11 @@ def run_trajectories(engines, env, tokenizer, items: list, *, n: int, limits: Li
                                "the weights changed in the middle of a rollout")
         stats["engine_calls"] += 1
         stepping = []
+        routing = res.get("routing")  # present where the engines record their routing
         for key, ids, lps, reason in res["finished"]:
             t = by_key[key]
+            if t.routing is not None:
+                t.routing = t.routing + [routing[key]] if routing is not None and key in routing else None
             t.ids += ids
             t.mask += [True] * len(ids)
             t.gen_logprobs += lps

@@ -88,15 +88,17 @@ class RequestQueue:
             self.marks[rid] = [(0, gen._version)]
             self.counts[rid] = 0
 
-    def poll(self, max_s: float = 0.5, versions: dict | None = None) -> list[tuple[str, list[int], list[float], str]]:
+    def poll(self, max_s: float = 0.5, versions: dict | None = None,
+             routing: dict | None = None) -> list[tuple[str, list[int], list[float], str]]:
         """Run the engine until at least one submitted request finishes (or `max_s` passes, or none is left; at
         least one engine step whenever something is pending, so a caller polling with max_s=0 still progresses);
         returns the finished ones as (key, token ids, logprobs, finish reason). `versions`, when given, receives
-        each finished key's version change points."""
+        each finished key's version change points; `routing`, when the engine records its routing (MoE routing
+        replay), each finished key's (first routed position of prompt + completion, experts [tokens, layers, k])."""
         gen = self.gen
         gen._check_usable()
         pending, engine = self.pending, gen._llm.llm_engine
-        done, t0 = [], time.perf_counter()
+        done, finished, t0 = [], {}, time.perf_counter()
         with gen._generation_threads():
             first = True
             while pending and not done and (first or time.perf_counter() - t0 < max_s):
@@ -124,7 +126,20 @@ class RequestQueue:
                         versions[key] = marks
                     done.append((key, ids, [float(pos[t].logprob) for pos, t in zip(c.logprobs, ids)],
                                  c.finish_reason))
+                    finished[rid] = key
+        if gen._routing_layers and finished:
+            # handed over (and forgotten in the engine) as their requests finish: a record left there would grow
+            # the engine's memory for the rest of the run
+            records = self._take_routing(finished)
+            if routing is not None:
+                routing.update(records)
         return done
+
+    def _take_routing(self, keys: dict[str, str]) -> dict:
+        """{caller's key: (start, experts)} of the finished requests `keys` (request id -> caller's key); every
+        worker routes every token, so one worker's records suffice."""
+        taken = self.gen._llm.collective_rpc("mrl_take_routing", args=(None, list(keys)))[0]
+        return {keys[engine_rid.rsplit("-", 1)[0]]: (int(rec[0]), rec[1]) for engine_rid, rec in taken.items()}
 
     def _mark(self, rid: str, n: int) -> None:
         """Tokens counts[rid]..n-1 appeared in this step: the current version produced them."""
@@ -159,6 +174,8 @@ class RequestQueue:
         pending = self.pending
         if pending and self.gen._llm is not None:
             self.gen._llm.llm_engine.abort_request(list(pending))
+            if self.gen._routing_layers:  # their routing records, partly filled, go too
+                self.gen._llm.collective_rpc("mrl_take_routing", args=(None, list(pending)))
         n = len(pending)
         pending.clear()
         self.marks.clear()
@@ -168,10 +185,15 @@ class RequestQueue:
     def turns(self, requests: list[tuple[str, list[int], int]], *, sampling: dict, max_s: float = 0.5) -> dict:
         """`submit` then `poll` in one call (one round trip for an engine actor): {"finished": poll's list,
         "pending": requests still running, "version": the weights they ran on, "versions": each finished key's
-        version change points, "inflight_updates" and "busy_s": this engine's totals so far}."""
+        version change points, "inflight_updates" and "busy_s": this engine's totals so far, and where the engine
+        records its routing, "routing": each finished key's record (poll)}."""
         if requests:
             self.submit(requests, **sampling)
         versions: dict = {}
-        finished = self.poll(max_s, versions)
-        return {"finished": finished, "pending": len(self.pending), "version": self.gen._version,
-                "versions": versions, "inflight_updates": self.inflight_updates, "busy_s": self.busy_s}
+        routing: dict = {}
+        finished = self.poll(max_s, versions, routing)
+        out = {"finished": finished, "pending": len(self.pending), "version": self.gen._version,
+               "versions": versions, "inflight_updates": self.inflight_updates, "busy_s": self.busy_s}
+        if self.gen._routing_layers:  # MoE routing replay: each finished key's record (see poll)
+            out["routing"] = routing
+        return out

@@ -224,7 +224,11 @@ class VLLMGenerator(Generator):
     def _attach_routing(self, result: GenerationResult, outputs, n: int) -> None:
         """The routing the engine recorded for each sample of `outputs`. vLLM names a request `<id>-<suffix>` inside
         the engine, and with n > 1 each sample `<index>_<id>-<suffix>`."""
-        records = self._llm.collective_rpc("mrl_take_routing")[0]  # every worker routes every token: one suffices
+        # this call's requests' records, by name (the submitted requests' records are handed over by their own poll:
+        # generation/requests.py); every worker routes every token, so one worker's records suffice
+        wanted = [f"{c.index}_{out.request_id}" if n > 1 else str(out.request_id)
+                  for out in outputs for c in out.outputs]
+        records = self._llm.collective_rpc("mrl_take_routing", args=(None, wanted))[0]
         by_sample = {}
         for rid, rec in records.items():
             base = rid.rsplit("-", 1)[0]

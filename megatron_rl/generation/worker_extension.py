@@ -41,12 +41,16 @@ class RefitWorkerExtension:
             self._mrl_routing = RoutingCapture(self.model_runner)
         return self._mrl_routing.num_layers
 
-    def mrl_take_routing(self, req_ids: list[str] | None = None) -> dict:
+    def mrl_take_routing(self, req_ids: list[str] | None = None, external: list[str] | None = None) -> dict:
         """{engine request id: (first routed position, expert ids [tokens, layers, k])}, forgotten here after;
-        None: every record held."""
+        None: every record held. `external`: the records of these caller-side request ids instead (vLLM's own id
+        is the caller's plus "-" and 8 random characters: input_processor.assign_request_id)."""
         capture = getattr(self, "_mrl_routing", None)
         if capture is None:
             return {}
+        if external is not None:
+            wanted = set(external)
+            req_ids = [rid for rid in capture.records if rid.rsplit("-", 1)[0] in wanted]
         return capture.take(list(capture.records) if req_ids is None else req_ids)
 
     def mrl_join_refit_groups(self, endpoints: list[dict], rank_offset: int, world_size: int) -> None:

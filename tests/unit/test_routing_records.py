@@ -3,7 +3,9 @@
 over engines (generation/pool.py)."""
 import torch
 
-from megatron_rl.algorithms.routing_records import recorded_fraction, sample_records
+from megatron_rl.algorithms.routing_records import (
+    fill_shared_prefixes, recorded_fraction, sample_records, sequence_record,
+)
 from megatron_rl.generation.interface import GenerationResult
 from megatron_rl.generation.pool import _merge
 from megatron_rl.policy import batching, packing
@@ -37,6 +39,28 @@ def test_cached_prompt_tokens_take_the_experts_of_the_request_that_ran_them():
 def test_a_prefix_nobody_in_the_call_ran_stays_unknown():
     full = sample_records([[5, 6, 7]], [[1, 2]], [2], [rec(2, 0)])
     assert bool((full[0][:2] == -1).all()) and recorded_fraction(full) == 2 / 4
+
+
+def test_a_trajectorys_turns_join_into_one_record_the_first_run_of_a_position_kept():
+    """Multi-turn: turn 1 ran positions 0-5 (prompt 0-3, its completion 4-6, the last never run); turn 2's prompt is
+    all that plus an observation (7-8), served from the cache up to position 4, and ran 4-10: positions 4-5 keep turn
+    1's experts (the tokens it sampled), 6-10 are turn 2's."""
+    t1, t2 = rec(6, 0), rec(7, 500)
+    full = sequence_record(12, [(0, t1), (4, t2)])
+    torch.testing.assert_close(full[:6], t1)
+    torch.testing.assert_close(full[6:11], t2[2:])
+    assert bool((full[11] == -1).all()) and full.dtype == torch.int16
+    # a segment past the sequence's end (a record longer than what the trainer keeps) is cut, not an error
+    assert sequence_record(3, [(1, rec(5, 0))]).shape == (3, L, K)
+
+
+def test_shared_prefixes_fill_across_whole_sequences_never_across_a_difference():
+    a, b, c = [1, 2, 3, 4], [1, 2, 3, 9], [7, 2, 3, 4]
+    ra, rb, rc = sequence_record(4, [(0, rec(3, 0))]), sequence_record(4, [(3, rec(1, 500))]), \
+        sequence_record(4, [(3, rec(1, 900))])
+    fill_shared_prefixes([a, b, c], [ra, rb, rc])
+    torch.testing.assert_close(rb[:3], ra[:3])  # b's cached prefix: a ran it
+    assert bool((rc[:3] == -1).all())  # c differs at position 0: no donor, though its later tokens equal a's
 
 
 def test_routing_rows_follow_each_position_to_its_token():
