@@ -17,15 +17,17 @@ def eval_marks(args) -> list[float]:
     return [total * i / args.learn_evals for i in range(args.learn_evals + 1)]
 
 
-def run_ours_learn(args, cfg, out_dir: str) -> dict:
+def run_ours_learn(args, cfg, out_dir: str, c=None, step0: int = 0) -> dict:
     """Train for --learn-minutes of training wall time (generation, training, refit: the whole step), evaluating
-    held-out greedy accuracy with the run's own engine at each mark, off the clock."""
+    held-out greedy accuracy with the run's own engine at each mark, off the clock. `c`: components built already,
+    `step0` steps in (the smoke's shared build, grpo_vs_trl.ours_both_sides), left running."""
     from megatron_rl.algorithms.evaluate import evaluate
     from megatron_rl.algorithms.grpo import train_step
     from megatron_rl.algorithms.loss_fn import GRPOLossFn
     from megatron_rl.build import build
 
-    c = build(cfg, Path(out_dir))
+    own = c is None
+    c = c or build(cfg, Path(out_dir))
     marks, evals, clock, step = eval_marks(args), [], 0.0, 0
     try:
         loss_fn = GRPOLossFn(cfg.grpo.loss)
@@ -42,12 +44,13 @@ def run_ours_learn(args, cfg, out_dir: str) -> dict:
         while clock < marks[-1]:
             step += 1
             t = time.perf_counter()
-            train_step(cfg, c, step, loss_fn)
+            train_step(cfg, c, step0 + step, loss_fn)
             clock += time.perf_counter() - t
             if clock >= marks[len(evals)]:
                 evaluate_now()
     finally:
-        c.shutdown()
+        if own:
+            c.shutdown()
     return {"evals": evals, "steps": step}
 
 

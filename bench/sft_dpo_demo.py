@@ -26,20 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # bench/forked.py
+import forked  # noqa: E402
 TASK = "configs/demo_cpu.yaml"
 QUIET = ["logging.plots=false", "logging.tensorboard=false", "logging.progress=false"]
 
 
-def sh(*args: str) -> None:
-    print("[sft_dpo_demo] " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", *args], cwd=ROOT, check=True)
+def sh(module: str, *args: str) -> None:
+    print(f"[sft_dpo_demo] {module} " + " ".join(args), flush=True)
+    forked.run_module(module, list(args), cwd=ROOT)  # a subprocess (a fork under bench/smoke_all.py)
 
 
 def records(run: Path) -> list[dict]:

@@ -17,22 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))  # bench/forked.py
+import forked  # noqa: E402
 ARMS = {"calculator": "configs/tool_math_cpu.yaml", "no tool": "configs/tool_math_nocalc_cpu.yaml"}
 SMOKE = ["grpo.val_every=1", "grpo.val_num_prompts=4", "grpo.num_prompts_per_step=2",
          "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=8", "environment.max_turns=2"]
 
 
 def run_arm(config: str, out: Path, steps: int, overrides: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "megatron_rl", "train", str(ROOT / config), f"output.dir={out}",
-           f"grpo.max_steps={steps}", *overrides]
-    print("[tool_demo] " + " ".join(cmd[2:]), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    cmd = ["train", str(ROOT / config), f"output.dir={out}", f"grpo.max_steps={steps}", *overrides]
+    print("[tool_demo] megatron_rl " + " ".join(cmd), flush=True)
+    forked.run_module("megatron_rl", cmd, cwd=ROOT)  # a subprocess (a fork under bench/smoke_all.py)
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 

@@ -1,4 +1,5 @@
-"""GRPO on a mixture-of-experts model end to end through the CLI, experts split over two ranks (policy.ep=2, gloo).
+"""GRPO on a mixture-of-experts model end to end through the CLI, experts split over two ranks (policy.ep=2, gloo),
+and on the FSDP2 backend at DP 2 (routing replay and the refit of trained experts).
 
 `python -m megatron_rl train configs/demo_cpu.yaml` on a tiny random Qwen3-MoE with the SmolLM2 tokenizer's
 vocabulary (megatron_rl.models.tiny.write_tiny_with_tokenizer: 4 experts, top-2), two policy ranks (DP=2 carrying EP=2: experts 0-1 on rank
@@ -42,20 +43,33 @@ def moe_model(tmp_path_factory):
     return write_tiny_with_tokenizer(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe", seed=3)
 
 
-@pytest.fixture(scope="module")
-def run(moe_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_grpo") / "run"
+def _train(moe_model, out: Path, steps: int, *extra: str) -> Path:
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
-           f"policy.model={moe_model}", f"output.dir={out}", "cluster.devices_per_node=2", "policy.ep=2",
+           f"policy.model={moe_model}", f"output.dir={out}", "cluster.devices_per_node=2",
            "policy.moe_aux_loss_coef=0.01", "policy.precision=fp32", f"policy.optimizer.lr={LR}",
-           "generation.dp=1",  # one engine: the refit of the EP-split experts is what is under test
+           "generation.dp=1",  # one engine: the refit of the experts from both ranks is what is under test
            "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "generation.max_new_tokens=8",
-           f"grpo.max_steps={STEPS}", "grpo.val_every=0", "grpo.loss.entropy_coef=0.01",
-           f"checkpoint.every_steps={STEPS}", "logging.progress=false", "logging.plots=false",
-           "logging.tensorboard=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64"]
+           f"grpo.max_steps={steps}", "grpo.val_every=0", "grpo.loss.entropy_coef=0.01",
+           f"checkpoint.every_steps={steps}", "logging.progress=false", "logging.plots=false",
+           "logging.tensorboard=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, f"train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def run(moe_model, tmp_path_factory):
+    return _train(moe_model, tmp_path_factory.mktemp("moe_grpo") / "run", STEPS, "policy.ep=2")
+
+
+def _replayed_and_matched(steps: list[dict]) -> None:
+    """policy.moe_routing_replay is auto: the engine recorded every token's experts and the trainer replayed them
+    (the prompts a group's siblings took from the prefix cache filled from the sibling that ran them); and the
+    engine's token probabilities are the trainer's."""
+    assert all(s["routing_recorded_frac"] == 1.0 for s in steps), [s.get("routing_recorded_frac") for s in steps]
+    errors = [s["token_mult_prob_error"] for s in steps]
+    # NeMo-RL's form of the gate (median) and, fp32 being ~1e-6 off here, every step after a refit too
+    assert statistics.median(errors) <= 1.01 and max(errors[1:]) <= 1.01, errors
 
 
 def test_steps_complete_and_refits_match_the_trainer(run):
@@ -65,12 +79,7 @@ def test_steps_complete_and_refits_match_the_trainer(run):
         for k in ("loss", "grad_norm", "entropy", "reward_mean", "token_mult_prob_error", "gen_kl_error"):
             assert math.isfinite(s[k]), (s["step"], k, s[k])
         assert s["grad_norm"] > 0 and not s["skipped"], s
-    # policy.moe_routing_replay is auto: the engine recorded every token's experts and the trainer replayed them; the
-    # prompts a group's siblings took from the prefix cache are filled from the sibling that ran them
-    assert all(s["routing_recorded_frac"] == 1.0 for s in steps), [s.get("routing_recorded_frac") for s in steps]
-    errors = [s["token_mult_prob_error"] for s in steps]
-    # NeMo-RL's form of the gate (median) and, fp32 being ~1e-6 off here, every step after a refit too
-    assert statistics.median(errors) <= 1.01 and max(errors[1:]) <= 1.01, errors
+    _replayed_and_matched(steps)
     meta = json.loads((run / "checkpoints" / f"step_{STEPS}" / "metadata.json").read_text())
     assert meta["layout"] == {"tp": 1, "pp": 1, "ep": 2, "world_size": 2}
 
@@ -122,3 +131,13 @@ def test_checkpointed_experts_trained_and_refit_bound_can_fail(run, moe_model, t
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     shift = float(torch.exp((_logprobs(model, ids) - before).abs()).mean())
     assert shift > 1.05, shift
+
+
+def test_fsdp2_moe_steps_replay_the_engines_routing(moe_model, tmp_path):
+    """The same on the FSDP2 backend (HF's Qwen3-MoE as is, DP 2; its routers replay through forward hooks,
+    policy/routing_replay.HFRoutingReplay): every token recorded and replayed, the engine's probabilities the
+    trainer's after each refit of the trained experts (2 steps: the refit after step 1 is the one checked)."""
+    out = _train(moe_model, tmp_path / "run", 2, "policy.backend=fsdp2")
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in x]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["grad_norm"] > 0 and not s["skipped"] for s in steps)
+    _replayed_and_matched(steps)
