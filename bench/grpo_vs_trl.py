@@ -54,7 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # bench/smoke_model.py, bench/grpo_vs_trl_learn.py
 
-from grpo_vs_trl_learn import eval_marks, learning, print_learning, run_eval, run_ours_learn  # noqa: E402
+from grpo_vs_trl_learn import (  # noqa: E402
+    eval_marks, learning, ours_both_sides, print_learning, run_eval, run_ours_learn,
+)
 
 TRL_MISSING = ("TRL is not installed. Install the pinned version without moving the shared stack:\n"
                "    .venv/bin/pip install -c launch/requirements-cpu.lock trl==1.16.0\n"
@@ -121,28 +123,6 @@ def run_ours(args, out_dir: str, c=None, cfg=None) -> dict:
         if own:
             c.shutdown()
     return {"setup_s": setup_s, "steps": steps}
-
-
-def ours_both_sides(args) -> dict:
-    """The smoke: our timed step and learning run on one build (one start-up fewer, ~25 s on 2 cores), with the
-    learning run's settings (the timed step's differ only in grpo.max_steps and validation, which shape nothing at
-    a constant LR). The learning run continues from the timed step's weights and step count; measurements keep a
-    build per side."""
-    from megatron_rl.build import build
-
-    a = argparse.Namespace(**{**vars(args), "side": "ours_learn"})
-    with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_ours_out_") as out:
-        cfg = load_cfg(a, out)
-        t0 = time.perf_counter()
-        c = build(cfg, Path(out))
-        setup_s = time.perf_counter() - t0
-        try:
-            ours = run_ours(args, out, c, cfg)
-            ours["setup_s"] = setup_s
-            learn = run_ours_learn(a, cfg, out, c, step0=len(ours["steps"]))
-        finally:
-            c.shutdown()
-    return {"ours": [ours], "ours_learn": [learn]}
 
 
 # ---- TRL side ------------------------------------------------------------------------------------------------------
@@ -430,7 +410,7 @@ def main() -> int:
         if unknown:
             ap.error(f"--side: unknown {unknown}; one of {sorted(run)}")
         if args.smoke and sides == ["ours", "ours_learn"]:
-            Path(args.result).write_text(json.dumps(ours_both_sides(args)))
+            Path(args.result).write_text(json.dumps(ours_both_sides(args, run_ours, load_cfg)))
             return 0
         results: dict[str, list] = {}
         for side in sides:

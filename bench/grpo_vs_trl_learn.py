@@ -54,6 +54,30 @@ def run_ours_learn(args, cfg, out_dir: str, c=None, step0: int = 0) -> dict:
     return {"evals": evals, "steps": step}
 
 
+def ours_both_sides(args, run_ours, load_cfg) -> dict:
+    """The smoke: our timed step (grpo_vs_trl.run_ours) and learning run on one build (one start-up fewer, ~10 s on 2
+    cores), with the learning run's settings (the timed step's differ only in grpo.max_steps and validation, which
+    shape nothing at a constant LR). The learning run continues from the timed step's weights and step count;
+    measurements keep a build per side."""
+    import argparse
+    import tempfile
+
+    from megatron_rl.build import build
+
+    a = argparse.Namespace(**{**vars(args), "side": "ours_learn"})
+    with tempfile.TemporaryDirectory(prefix="grpo_vs_trl_ours_out_") as out:
+        cfg = load_cfg(a, out)
+        t0 = time.perf_counter()
+        c = build(cfg, Path(out))
+        setup_s = time.perf_counter() - t0
+        try:
+            ours = {**run_ours(args, out, c, cfg), "setup_s": setup_s}
+            learn = run_ours_learn(a, cfg, out, c, step0=len(ours["steps"]))
+        finally:
+            c.shutdown()
+    return {"ours": [ours], "ours_learn": [learn]}
+
+
 def run_eval(args, cfg) -> dict:
     """Held-out greedy accuracy of one saved HF folder (a TRL snapshot) with the evaluator our side uses."""
     from megatron_rl.build import evaluate_model

@@ -26,7 +26,7 @@ def test_local_cluster_starts_no_idle_workers(ray_cluster):
     within the seconds Ray would take to start them. Runs before any actor of this file exists."""
     import psutil
 
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
         idle = [p for p in psutil.Process().children(recursive=True) if _title(p).startswith("ray::IDLE")]
         assert not idle, [p.pid for p in idle]
