@@ -6,6 +6,8 @@
 #   bash tests/tools/coverage_suite.sh [OUT_DIR] [pytest args...]     # OUT_DIR default: .cache/coverage
 #   (no pytest args: the default tier in two workers, then the serial tests, as launch/run_tests.sh runs it)
 #
+# Every line is labelled with the test that ran it (tests/tools/cov_context.py); tests/tools/redundant_tests.py
+# OUT_DIR lists, from those labels, the tests whose lines other tests run too.
 # Prints the TOTAL line; OUT_DIR gets report.txt, coverage.json and profile.jsonl. Coverage slows the suite (the
 # baseline took 67 min instead of ~45 on a 2-core AMD EPYC with AVX-512): it is a measurement, not what CI runs.
 # Actors that Ray kills without a clean exit lose their last lines (generation/actor.py reads low for that reason);
@@ -20,6 +22,7 @@ rm -f "$OUT"/.coverage*
 cd "$ROOT"
 export COVERAGE_DATA_DIR="$OUT"
 COV=("$ROOT/.venv/bin/python" -m coverage run --rcfile=tests/tools/coverage.rc -m pytest -q -p tests.tools.suite_profile
+     -p tests.tools.cov_context
      "--suite-profile=$OUT/profile.jsonl")
 rc=0
 if [ $# -gt 0 ]; then
