@@ -46,25 +46,27 @@ def _method() -> str:
     return method
 
 
-_SERVER = None  # this process's fork server for ranks (multiprocessing.forkserver.ForkServer), made on first use
+_SERVERS: dict = {}  # this process's fork servers (multiprocessing.forkserver.ForkServer) by preload, made on first use
+RANK_PRELOAD = "megatron_rl.distributed.launch_preload"
 
 
 @contextlib.contextmanager
-def _own_fork_server():
-    """Forkserver processes started in the block fork from this module's server. multiprocessing has one
-    process-wide server, started by whichever user needs it first with that user's preload: the verifier pool's
-    preloads math-verify (rewards/pool.py), and ranks forked from it would import torch and megatron-core again (and
-    verifier workers forked from ours would lack math-verify). multiprocessing's forkserver Popen asks the module-level
-    `connect_to_new_process` for each child, which points at our server for the block's duration (a process started
-    from another thread meanwhile would come from ours too: correct, only without its own preload)."""
+def own_fork_server(preload: str = RANK_PRELOAD):
+    """Forkserver processes started in the block fork from this process's server with `preload` imported (one per
+    preload module, started on first use). multiprocessing has one process-wide server, started by whichever user
+    needs it first with that user's preload: the verifier pool's preloads math-verify (rewards/pool.py), and ranks
+    forked from it would import torch and megatron-core again (and verifier workers forked from ours would lack
+    math-verify). multiprocessing's forkserver Popen asks the module-level `connect_to_new_process` for each child,
+    which points at our server for the block's duration (a process started from another thread meanwhile would come
+    from ours too: correct, only without its own preload)."""
     from multiprocessing import forkserver
 
-    global _SERVER
-    if _SERVER is None:
-        _SERVER = forkserver.ForkServer()
-        _SERVER.set_forkserver_preload(["megatron_rl.distributed.launch_preload"])
+    server = _SERVERS.get(preload)
+    if server is None:
+        server = _SERVERS[preload] = forkserver.ForkServer()
+        server.set_forkserver_preload([preload])
     saved = forkserver.connect_to_new_process
-    forkserver.connect_to_new_process = _SERVER.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
     try:
         yield
     finally:
@@ -135,7 +137,7 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
         env = dict(os.environ)  # cannot re-run that main; fn must be importable anyway)
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads, env), daemon=True)
                  for r in range(world_size)]
-        with _own_fork_server() if method == "forkserver" else contextlib.nullcontext():
+        with own_fork_server() if method == "forkserver" else contextlib.nullcontext():
             for p in procs:
                 p.start()
     results: dict[int, Any] = {}

@@ -12,7 +12,6 @@ student (policy DP=2) and a larger tiny teacher (TP=2) sharing the SmolLM2 token
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from megatron_rl.algorithms.grpo import train_step
 from megatron_rl.config import load_config
 from megatron_rl.distributed.worker_group import WorkerDiedError
 from megatron_rl.lifecycle import ASLEEP, AWAKE, OFFLOADED, RESIDENT, LifecycleError
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["cluster.devices_per_node=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
@@ -149,7 +149,7 @@ def test_cli_distillation_run(tiny_model_factory, tmp_path, mode):
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
            f"policy.model={student}", f"output.dir={out}", f"distillation.teacher={teacher}", "grpo.max_steps=2",
            "checkpoint.every_steps=0", "logging.progress=false", "logging.plots=false", *SMALL, *mode]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     trained = [x for x in recs if "reverse_kl" in x]

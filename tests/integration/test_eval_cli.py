@@ -1,8 +1,9 @@
 """`megatron-rl eval` runs the same generator and verifier as training and writes pass@1 / pass@k as JSON."""
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ def test_eval_cli_writes_json_with_the_runs_own_config(tiny_model_factory, tmp_p
     shutil.copytree(tiny_model_factory("eval_tiny", seed=2), run / "hf")
     dump_yaml(load_config(REPO / "configs" / "demo_cpu.yaml", ["generation.max_new_tokens=8"]), run / "config.yaml")
     out, samples = tmp_path / "eval.json", tmp_path / "samples.jsonl"
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(run / "hf"), "--data",
+    r = cli_runner.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(run / "hf"), "--data",
                         "chain_sum", "--n", "3", "--num-prompts", "4", "--out", str(out), "--samples-out",
                         str(samples), "generation.kv_cache_memory_mb=64", "reward.num_workers=1"],
                        capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -39,6 +40,6 @@ def test_eval_cli_writes_json_with_the_runs_own_config(tiny_model_factory, tmp_p
 
 
 def test_eval_cli_bad_config_names_key(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(tmp_path), "--n", "2",
+    r = cli_runner.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(tmp_path), "--n", "2",
                         "grpo.nope=1"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 and "grpo.nope" in r.stderr

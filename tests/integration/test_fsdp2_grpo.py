@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # six CLI runs (one a resume) and two exports: ~5 min on 2 cores
@@ -28,7 +30,7 @@ def train(out: Path, model: Path, *extra: str, timeout: int = 600) -> subprocess
            # a random tiny model earns no reward (advantages 0): the entropy bonus gives every step a gradient, so
            # the weights change and each refit has something to carry
            "grpo.loss.entropy_coef=0.01", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert r.returncode == 0, f"train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
 
@@ -130,7 +132,7 @@ def test_an_unmapped_family_trains_refits_and_exports(kind, arch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = [sys.executable, "-m", "megatron_rl"]
-    r = subprocess.run(base + ["train", str(REPO / "configs" / "demo_cpu.yaml"), f"policy.model={model}",
+    r = cli_runner.run(base + ["train", str(REPO / "configs" / "demo_cpu.yaml"), f"policy.model={model}",
                                f"output.dir={tmp_path / 'refused'}", "--dry-run"],
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode != 0 and arch in r.stderr and "policy.backend=fsdp2" in r.stderr, r.stderr
@@ -145,7 +147,7 @@ def test_an_unmapped_family_trains_refits_and_exports(kind, arch, tmp_path):
     assert steps[0]["train_flops_per_s"] > 0  # the FLOP counter reads the shape of a family it cannot build
 
     hf = tmp_path / "hf"
-    r = subprocess.run(base + ["convert", "megatron-to-hf", "--ckpt", str(out / "checkpoints"), "--out", str(hf)],
+    r = cli_runner.run(base + ["convert", "megatron-to-hf", "--ckpt", str(out / "checkpoints"), "--out", str(hf)],
                        capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     dcp_to_torch_save(str(out / "checkpoints" / "step_2" / "dist"), str(tmp_path / "ref.pt"))

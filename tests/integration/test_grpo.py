@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
+
 REPO = Path(__file__).resolve().parents[2]
 CONTRACT_KEYS = {"step", "reward_mean", "reward_std", "loss", "kl", "entropy", "clip_frac", "grad_norm", "lr",
                  "token_mult_prob_error", "gen_kl_error", "response_len_mean", "num_tokens", "tokens_per_s",
@@ -26,7 +28,7 @@ def train(out: Path, model: Path, *extra: str, timeout: int = 600) -> subprocess
            "reward.num_workers=1", "generation.kv_cache_memory_mb=64",
            "policy.precision=fp32",  # the mismatch asserts below hold to fp32's 1e-5 (bf16: test_colocated_refit)
            *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert r.returncode == 0, f"train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
 

@@ -22,6 +22,7 @@ import yaml
 from megatron_rl.config.loader import from_dict
 from megatron_rl.data import PromptStream, load_dataset, load_tokenizer
 from megatron_rl.paths import default_model_dir
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -46,7 +47,7 @@ def cli(tmp_path: Path, *overrides: str, timeout: int = 300) -> subprocess.Compl
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(CONFIG), f"output.dir={tmp_path / 'run'}",
            "data.source=hf", "reward.kind=auto", "reward.answer_format=auto", *overrides]
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}  # datasets' Arrow copy stays here
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    return cli_runner.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
 def test_verl_parquet_trains_the_demo_model_two_steps(tmp_path, monkeypatch):

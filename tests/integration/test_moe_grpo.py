@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import pytest
 import torch
 
 from megatron_rl.models.tiny import write_tiny_with_tokenizer
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 LR, STEPS = 1e-2, 3
@@ -52,7 +52,7 @@ def _train(moe_model, out: Path, steps: int, *extra: str) -> Path:
            f"grpo.max_steps={steps}", "grpo.val_every=0", "grpo.loss.entropy_coef=0.01",
            f"checkpoint.every_steps={steps}", "logging.progress=false", "logging.plots=false",
            "logging.tensorboard=false", "reward.num_workers=1", "generation.kv_cache_memory_mb=64", *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, f"train failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return out
 

@@ -20,7 +20,6 @@ export as a reward model added to the verifier's reward: policy, engine, reward 
 import json
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from megatron_rl.config import load_config
 from megatron_rl.lifecycle import ASLEEP, AWAKE, OFFLOADED, RESIDENT
 from tests.integration import faults_inject
 from tests.unit.test_gae import reference_gae
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["cluster.devices_per_node=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
@@ -301,7 +301,7 @@ def test_fsdp2_ppo_step_through_the_cli(models, tmp_path):
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "ppo_cpu.yaml"),
            f"policy.model={policy}", f"output.dir={out}", "policy.backend=fsdp2", "cluster.devices_per_node=1",
            "critic.warmup_steps=0", "grpo.max_steps=1", *[s for s in SMALL if "devices_per_node" not in s]]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rec = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step": 1' in x)
     assert rec["grad_norm"] > 0 and rec["value_loss"] > 0 and rec["critic_grad_norm"] > 0, rec

@@ -14,7 +14,6 @@ write one.
   naming the key.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 from megatron_rl.algorithms.grpo import train_step
 from megatron_rl.config import load_config
 from megatron_rl.lifecycle import AWAKE, OFFLOADED
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["cluster.devices_per_node=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
@@ -147,13 +147,13 @@ def test_cli_run_with_a_reward_model_and_eval_refuses_the_kind(models, tmp_path)
            f"policy.model={policy}", f"output.dir={out}", "reward.kind=model", f"reward.model.path={rm_dir}",
            "grpo.max_steps=1", "logging.plots=false", "logging.tensorboard=false", "logging.progress=false",
            *[s for s in SMALL if not s.startswith("reward.model.tp")]]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = cli_runner.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     step = next(x for x in recs if x.get("step") == 1 and "reward_mean" in x)
     # reward.kind=model, weight 1, no normalisation: the reward is the model's score
     assert step["reward_mean"] == pytest.approx(step["rm_score_mean"], rel=1e-5, abs=1e-6)
-    ev = subprocess.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(policy), "--config",
+    ev = cli_runner.run([sys.executable, "-m", "megatron_rl", "eval", "--model", str(policy), "--config",
                          str(out / "config.yaml"), "--n", "1", "--num-prompts", "2"],
                         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert ev.returncode == 2 and "reward.kind=model" in ev.stderr, ev.stderr[-2000:]

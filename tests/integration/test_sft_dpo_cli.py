@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
+
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 # 12 examples, 4 per step: 3 steps an epoch, so step 4 starts the second epoch's permutation
@@ -25,7 +27,7 @@ COMMON = ("policy.precision=fp32", "logging.progress=false", "logging.tensorboar
 def run(algo: str, out: Path, model: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_rl", algo, str(REPO / "configs" / f"{algo}_cpu.yaml"),
            f"policy.model={model}", f"output.dir={out}", *COMMON, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return cli_runner.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -147,7 +149,7 @@ def test_rm_trains_and_its_export_scores_like_the_trainer(model, tmp_path, backe
         assert {"loss", "grad_norm", "accuracy", "margin", "chosen_rewards", "rejected_rewards"} <= set(recs[s]), s
     assert {"val_loss", "val_accuracy", "val_margin"} <= set(recs[0]) and recs[2]["val_loss"] != recs[0]["val_loss"]
     hf = out / "hf"
-    subprocess.run([sys.executable, "-m", "megatron_rl", "convert", "megatron-to-hf", "--ckpt",
+    cli_runner.run([sys.executable, "-m", "megatron_rl", "convert", "megatron-to-hf", "--ckpt",
                     str(out / "checkpoints"), "--out", str(hf)], check=True, capture_output=True, timeout=300, cwd=REPO)
     config = json.loads((hf / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1

@@ -1,15 +1,16 @@
 """The console command: help, info, and config errors surfacing before any work starts."""
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_rl", *args], capture_output=True, text=True, cwd=REPO,
+    return cli_runner.run([sys.executable, "-m", "megatron_rl", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
 
 

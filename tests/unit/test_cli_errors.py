@@ -1,5 +1,4 @@
 """One-line user errors of the CLI (cli.user_error_line) and the pre-flight's memory verdicts (config/preflight.py)."""
-import subprocess
 import sys
 from pathlib import Path
 
@@ -7,6 +6,7 @@ from megatron_rl.cli import user_error_line
 from megatron_rl.config import ConfigError
 from megatron_rl.config.preflight import MiB, cpu_memory_problem, gpu_memory_problem
 from megatron_rl.models.checkpoint import CheckpointError
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2 ** 30
@@ -30,7 +30,7 @@ def test_checkpoint_error_raised_in_a_ray_worker_is_its_cause_on_one_line():
 
 
 def test_cli_config_error_is_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
+    r = cli_runner.run([sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "demo_cpu.yaml"),
                         "grpo.max_steps=many", "--dry-run"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2
     # the value came from the command line: the override is named, not the YAML file

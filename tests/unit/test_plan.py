@@ -8,6 +8,7 @@ from megatron_rl.planner import search as P
 from megatron_rl.models.provider import model_spec
 from megatron_rl.planner.presets import GPUS, MODELS
 from megatron_rl.distributed.launch import run_distributed
+from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 
 def _tiny(arch="llama", *, tied=False, vocab=1000, hidden=64, heads=4, kv=2, head_dim=None, ffn=96, layers=4):
@@ -200,10 +201,10 @@ def test_cli_delegates_plan_including_help():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "plan", "--help"], capture_output=True, text=True,
+    r = cli_runner.run([sys.executable, "-m", "megatron_rl", "plan", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "Memory per GPU" in r.stdout and "--colocated" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "megatron_rl", "plan", "--model", "qwen2.5-1.5b", "--gpus", "8",
+    r = cli_runner.run([sys.executable, "-m", "megatron_rl", "plan", "--model", "qwen2.5-1.5b", "--gpus", "8",
                         "--colocated"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "binding constraint" in r.stdout, r.stderr
 
