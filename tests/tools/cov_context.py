@@ -2,8 +2,7 @@
 
 tests/tools/coverage_suite.sh loads it. In the pytest process it switches coverage.py's dynamic context at each phase
 of each test (`NODEID|setup`, `NODEID|run`, `NODEID|teardown`). Processes started meanwhile (`megatron-rl` CLI runs,
-their Ray actors and ranks, bench scripts) inherit `MRL_COV_CONTEXT`, which tests/tools/coverage.rc reads as their
-static context, so their lines carry the same label.
+their Ray actors and ranks, bench scripts) get the label as their static context, so their lines carry it too.
 
 What it cannot see: a process started by an earlier test and reused (a module fixture's Ray cluster, the gloo fork
 server of `run_distributed`) keeps the label of the test that started it. A test's lines can then be credited to that
@@ -23,11 +22,20 @@ def _switch(label: str) -> None:
     os.environ[ENV] = label
     try:
         import coverage
+        from coverage.config import CoverageConfig
     except ImportError:  # the plugin loaded without coverage.py: nothing to label
         return
     cov = coverage.Coverage.current()
     if cov is not None:
         cov.switch_context(label)
+    # A child process does not read coverage.rc again: coverage.py's subprocess patch hands it the parent's config,
+    # parsed once when this process started (its `context` expanded then, empty), through COVERAGE_PROCESS_CONFIG.
+    # Hand children the label in that config, or every Ray actor and CLI run records its lines under no test.
+    handed = os.environ.get("COVERAGE_PROCESS_CONFIG")
+    if handed:
+        config = CoverageConfig.deserialize(handed)
+        config.context = label
+        os.environ["COVERAGE_PROCESS_CONFIG"] = config.serialize()
 
 
 @pytest.hookimpl(tryfirst=True)
