@@ -48,7 +48,14 @@ def _run_patched(model, out: Path, steps: int) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
+@pytest.mark.slow
 def test_async_staleness_and_exact_resume(tiny_model_factory, tmp_path, monkeypatch):
+    """Opt-in (`-m slow`): tests/integration/test_ppo.py::test_async_ppo_resumes_exactly runs the same asynchronous
+    loop (max_staleness=1 on separate engines, checkpoint every 2 steps) and asserts the same staleness [0, 1, 1, 1]
+    and the same resume from a copy of the step-2 checkpoint, with a critic on top; every line this test runs is run
+    there, and the asynchronous GRPO loop's staleness [0, 1] in
+    tests/integration/test_plan_config.py::test_planned_async_config_loads_builds_and_trains (tests/tools/
+    redundant_tests.py and a labelled coverage run, 2026-12-07)."""
     model = tiny_model_factory("async_tiny", seed=21, tied=False)
     full = {r["step"]: r for r in _run(model, tmp_path / "full", 4, monkeypatch)}
     assert sorted(full) == [1, 2, 3, 4]

@@ -33,7 +33,11 @@ class LengthReward:
         pass
 
 
-@pytest.fixture(scope="module", params=[("fp32", "tp"), ("bf16", "tp"), ("fp32", "pp")], ids=lambda p: "-".join(p))
+# fp32-tp is opt-in (`-m slow`): each of its checks runs in the default tier with one factor changed, the dtype
+# (bf16-tp: the same TP=2 export and routing) or the split (fp32-pp: the same strict fp32 greedy parity), and every
+# line it runs is run there too (tests/tools/redundant_tests.py on a labelled coverage run, 2026-12-07)
+@pytest.fixture(scope="module", params=[pytest.param(("fp32", "tp"), marks=pytest.mark.slow), ("bf16", "tp"),
+                                        ("fp32", "pp")], ids=lambda p: "-".join(p))
 def parts(request, tiny_model_factory, tmp_path_factory):
     from megatron_rl.build import build
 
@@ -158,7 +162,6 @@ def _logprob_error(res, prompts, model) -> float:
     return float(torch.cat(errs).mean())
 
 
-@pytest.mark.parametrize("parts", [("fp32", "tp")], indirect=True, ids=["fp32-tp"])  # nor on dtype or split
 def _skip_in_engine(name):
     """Runs in an engine actor (Ray's `__ray_call__`): its model's `load_weights` drops `name` from what it receives,
     as a loader that does not map a renamed tensor would (None: removes that again). No hook in the product code."""

@@ -25,7 +25,10 @@ class TextReward:
         pass
 
 
-@pytest.mark.parametrize("layout", ["policy.tp=2", "policy.pp=2"])
+# TP=2 is opt-in (`-m slow`): PP=2 runs the same collective refit from two ranks (each exporting its stage), and
+# test_colocated_refit.py[bf16-tp] the TP=2 export; every line TP=2 runs here is run by those
+# (tests/tools/redundant_tests.py and a labelled coverage run, 2026-12-07)
+@pytest.mark.parametrize("layout", [pytest.param("policy.tp=2", marks=pytest.mark.slow), "policy.pp=2"])
 def test_collective_refit_serves_the_trained_weights(layout, tiny_model_factory, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

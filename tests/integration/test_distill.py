@@ -139,7 +139,12 @@ def test_killed_teacher_rank_fails_fast_and_named(parts):
 # async: disaggregated engines generate step s+1 while step s trains, so the teacher scores a rollout one version old
 # and the importance correction sees staleness 1 (the teacher then shares the policy's bundles, resident).
 # fsdp2_topk: an FSDP2 student (DP=2) with the megatron teacher at TP=2, top-k, the same loop
-@pytest.mark.parametrize("mode", [[], ["cluster.colocated=false", "grpo.max_staleness=1"],
+# async is opt-in (`-m slow`) too: the teacher's turn and scoring run colocated here, the asynchronous loop in
+# test_ppo.py::test_async_ppo_resumes_exactly and test_plan_config.py, the disaggregated teacher's turn in
+# tests/unit/test_startup_residency.py; every line it runs is run there too (tests/tools/redundant_tests.py and a
+# labelled coverage run, 2026-12-07)
+@pytest.mark.parametrize("mode", [[], pytest.param(["cluster.colocated=false", "grpo.max_staleness=1"],
+                                                   marks=pytest.mark.slow),
                                   pytest.param(["policy.backend=fsdp2", "distillation.tp=2", "distillation.topk=4"],
                                                marks=pytest.mark.slow)],
                          ids=["colocated", "async", "fsdp2_topk"])

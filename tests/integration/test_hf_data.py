@@ -50,7 +50,12 @@ def cli(tmp_path: Path, *overrides: str, timeout: int = 300) -> subprocess.Compl
     return cli_runner.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
+@pytest.mark.slow
 def test_verl_parquet_trains_the_demo_model_two_steps(tmp_path, monkeypatch):
+    """Opt-in (`-m slow`): reading verl's parquet rows and scoring against their ground truth is
+    tests/unit/test_hf_data.py, the same file through the CLI up to the data check
+    test_bad_parquet_row_is_named_before_ray_starts below, and the training loop every CLI run; every line it runs is
+    run there too (tests/tools/redundant_tests.py and a labelled coverage run, 2026-12-07)."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([EASY, IMPOSSIBLE]), data)

@@ -137,8 +137,14 @@ def test_partial_rollouts_run_bound_and_counters(tiny_model_factory, tmp_path, m
     assert all(k in r for r in recs for k in ("stale_tokens_masked", "partial_carried", "engine_busy_s"))
 
 
+@pytest.mark.slow
 def test_sigkilled_driver_resumes_with_the_admitted_prompts(tiny_model_factory, tmp_path):
-    """kill -9 of the driver after a checkpoint, mid-run; the same command again resumes from that checkpoint and
+    """Opt-in (`-m slow`): the admitted prompts' round trip through a checkpoint is
+    tests/unit/test_inflight_rollouts.py::test_checkpoint_keeps_admitted_prompts_and_stream_position_together, a
+    killed driver's resume tests/integration/test_faults.py's kill rows; every line it runs is run there too
+    (tests/tools/redundant_tests.py and a labelled coverage run, 2026-12-07).
+
+    kill -9 of the driver after a checkpoint, mid-run; the same command again resumes from that checkpoint and
     first trains the prompts it had admitted and not trained (regenerated from the resumed weights, as
     docs/placement.md says), then the stream where it stood: no prompt lost or trained twice. Partial rollouts off, so
     that which step trains which prompts is fixed."""

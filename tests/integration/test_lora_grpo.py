@@ -34,7 +34,11 @@ def _steps(tmp_path_factory, model, mode: str, backend: str) -> list[dict]:
     return steps
 
 
-@pytest.fixture(scope="module", params=["megatron", "fsdp2"])
+# megatron is opt-in (`-m slow`) here: its adapter refit through the loop runs in
+# tests/integration/test_lora_serving.py (adapters served equal to the merged engine and PEFT) and its LoRA training in
+# tests/distributed/test_lora.py; every line of it is run there too (tests/tools/redundant_tests.py and a labelled
+# coverage run, 2026-12-07)
+@pytest.fixture(scope="module", params=[pytest.param("megatron", marks=pytest.mark.slow), "fsdp2"])
 def backend(request):
     return request.param
 

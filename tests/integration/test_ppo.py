@@ -295,7 +295,12 @@ def test_async_ppo_resumes_exactly(models, tmp_path):
         _run(policy, resumed, 5)
 
 
+@pytest.mark.slow
 def test_fsdp2_ppo_step_through_the_cli(models, tmp_path):
+    """Opt-in (`-m slow`): the critic is the policy's group shape on either backend; the fsdp2 value head and its
+    loss run in tests/distributed/test_batch_fields.py and tests/distributed/test_rm.py, PPO's loop in this file's
+    megatron tests; every line it runs is run there too (tests/tools/redundant_tests.py and a labelled coverage run,
+    2026-12-07)."""
     policy, _ = models
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_rl", "train", str(REPO / "configs" / "ppo_cpu.yaml"),

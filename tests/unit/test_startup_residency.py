@@ -113,3 +113,19 @@ def test_teacher_sets_up_after_the_trainer_left_the_device(recorded):
     order = [(kind, what) for kind, what, *_ in recorded]
     assert order.index(("process", "engine")) < order.index(("setup", "policy")) < order.index(("setup", "engine"))
     assert all(rest == [True] for kind, what, *rest in recorded if kind == "process")
+
+
+def test_a_disaggregated_teacher_stays_resident_through_its_turn():
+    """Without colocation the teacher keeps its own devices: its turn moves no group (each records any move), and a
+    turn asked of a run without a teacher is refused. (Through a real disaggregated distillation run:
+    test_distill.py::test_cli_distillation_run[async], opt-in.)"""
+    from megatron_rl.algorithms.handover import Handover
+
+    from megatron_rl.lifecycle import LifecycleError
+
+    log = []  # offloads; any other move fails too (a _Group has no sleep or wake_up)
+    policy, engine, teacher = _Group("policy", log), _Group("engine", log), _Group("teacher", log)
+    Handover(policy, engine, colocated=False, bucket_bytes=1 << 20, sleep_level=1, teacher=teacher).to_teacher()
+    assert log == [] and teacher.state() == RESIDENT
+    with pytest.raises(LifecycleError, match=r"to_teacher\(\) without a distillation teacher"):
+        Handover(policy, engine, colocated=False, bucket_bytes=1 << 20, sleep_level=1).to_teacher()
