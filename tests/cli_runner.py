@@ -34,6 +34,15 @@ def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
         os.close(f)
+    # Ray's C++ side read its settings from the server's environment when the server imported ray, and caches them:
+    # RAY_AUTH_MODE among them. The caller's may differ by now (an in-process run of an earlier test set
+    # RAY_AUTH_MODE=token and a token, distributed/cluster.py), and a client still "disabled" then fails to reach
+    # the GCS its own run started ("InvalidAuthToken"). Read them again, as a new interpreter would.
+    if "ray._raylet" in sys.modules:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     try:  # a coverage run (tests/tools/cov_context.py): label this command's lines with the test that started it
         import coverage
 
