@@ -124,8 +124,27 @@ def _environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the rendezvous port: nothing ran yet, so the launch can be repeated."""
+
+
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 600.0,
                     threads_per_rank: int | None = None) -> list[Any]:
+    """fn(rank, world_size, *args) in `world_size` gloo ranks; their results in rank order.
+
+    The rendezvous port is found free here and bound by rank 0 a moment later; another process can take it in
+    between (a Ray cluster starting beside this launch binds ports of the same range: CI saw it). Rank 0 then fails
+    in `init_process_group`, before `fn` runs, and the launch is repeated on a new port, twice at most."""
+    for attempt in range(3):
+        try:
+            return _launch(fn, world_size, args, timeout, threads_per_rank)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, threads_per_rank: int | None) -> list[Any]:
     method = _method()
     ctx = mp.get_context(method)
     queue = ctx.Queue()
@@ -169,7 +188,8 @@ def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks are likely blocked in a collective: fail fast
         if errors:
-            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+            taken = any("init_process_group" in e and "EADDRINUSE" in e for e in errors)
+            raise (_PortTaken if taken else RuntimeError)("distributed run failed:\n" + "\n".join(errors))
         return [results[r] for r in range(world_size)]
     finally:
         for p in procs:

@@ -64,3 +64,23 @@ def test_ranks_fork_from_one_preloaded_server_with_the_callers_environment(monke
     monkeypatch.setenv("MEGATRON_RL_LAUNCH", "fork")
     with pytest.raises(ValueError, match="MEGATRON_RL_LAUNCH='fork'"):
         run_distributed(foundation_bodies.process_facts, world_size=1, args=("MRL_LAUNCH_PROBE",))
+
+
+def test_a_taken_rendezvous_port_is_retried_on_another(monkeypatch):
+    """Another process binds the port picked for the rendezvous before rank 0 does (CI: a Ray cluster starting in the
+    other pytest worker): the launch is repeated on a new port instead of failing."""
+    import socket
+
+    from megatron_rl.distributed import launch
+
+    held = socket.socket()
+    held.bind(("0.0.0.0", 0))
+    held.listen()
+    picked = [held.getsockname()[1]]
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: picked.pop() if picked else real())
+    try:
+        ranks = run_distributed(foundation_bodies.process_facts, world_size=2, args=("MRL_LAUNCH_PROBE",))
+    finally:
+        held.close()
+    assert len(ranks) == 2 and not picked  # the held port was tried first
