@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from megatron_rl.config.cp_rules import validate_context_parallel
 from megatron_rl.config.moe_rules import routing_replay_enabled
 from megatron_rl.config.schema import Config
 from megatron_rl.platform import get_platform
@@ -233,7 +234,7 @@ def resolve_model_dir(model: str) -> Path:
 def validate(cfg: Config, check_model: bool = True) -> Config:
     """Cross-field checks. Raises ConfigError naming the key path(s) involved."""
     p, g, c = cfg.policy, cfg.grpo, cfg.cluster
-    positive = {"policy.tp": p.tp, "policy.pp": p.pp, "generation.tp": cfg.generation.tp,
+    positive = {"policy.tp": p.tp, "policy.pp": p.pp, "policy.cp": p.cp, "generation.tp": cfg.generation.tp,
                 "grpo.num_prompts_per_step": g.num_prompts_per_step, "cluster.num_nodes": c.num_nodes,
                 "grpo.num_generations_per_prompt": g.num_generations_per_prompt, "cluster.devices_per_node":
                 c.devices_per_node, "grpo.optimizer_steps_per_rollout": g.optimizer_steps_per_rollout,
@@ -262,6 +263,10 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     _validate_backend(cfg)
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
+    try:
+        validate_context_parallel(cfg)  # config/cp_rules.py: before packing's default, which CP fixes
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.policy.packing == "auto":  # fsdp2: none, its varlen row has a [t, t] mask; megatron: Platform.packing_for
         cfg.policy.packing = "none" if cfg.policy.backend == "fsdp2" else get_platform().packing_for(
             cfg.longest_train_row() if cfg.samples_rollouts() else 0)  # SFT/DPO/RM rows: 0, the platform's

@@ -71,7 +71,10 @@ class PolicyConfig:
     tokenizer: Optional[str] = None  # default: the model folder
     tp: int = 1
     pp: int = 1
-    dp: Optional[int] = None  # default: world size / (tp * pp)
+    dp: Optional[int] = None  # default: world size / (tp * pp * cp)
+    # context parallelism: each packed row split over cp ranks (2*cp zig-zag chunks per sequence, K/V all-gathered
+    # per layer; policy/context_parallel.py). Needs packed rows: packing auto becomes varlen. Adds ranks like tp
+    cp: int = 1
     # expert parallelism (MoE models): each expert lives on one of ep ranks. As in megatron-core, the EP ranks are
     # taken out of the data-parallel ones (ep divides dp; experts' gradients average over dp / ep replicas), so ep
     # does not change the world size tp * pp * dp

@@ -1,8 +1,9 @@
 """Named parallel dimensions and device layouts: the one place for the rules of how a run splits its devices.
 
-- `ParallelDims` maps a global policy rank to its (tp, dp, pp) coordinates. The order matches megatron-core's default
-  `initialize_model_parallel(order="tp-cp-ep-dp-pp")`: TP varies fastest, then DP, then PP, so TP groups are
-  contiguous ranks (one node) and PP stages are the slowest-varying dimension.
+- `ParallelDims` maps a global policy rank to its (tp, cp, dp, pp) coordinates. The order matches megatron-core's
+  default `initialize_model_parallel(order="tp-cp-ep-dp-pp")`: TP varies fastest, then CP, then DP, then PP, so TP
+  groups are contiguous ranks (one node) and PP stages are the slowest-varying dimension. megatron-core is given the
+  CP ranks as data-parallel ones (`policy/context_parallel.py`), which this order makes consecutive.
 - `device_layout` decides which devices the policy ranks and the rollout engines get; the config loader validates
   with it, `build()` places with it and `megatron-rl plan` proposes only layouts it accepts.
 - `check_policy_split` / `check_engine_split` are the model-shape rules of megatron-core and vLLM (heads, KV heads,
@@ -23,6 +24,7 @@ class ParallelDims:
     pp: int = 1
     dp: int = 1
     ep: int = 1  # expert parallelism, carved out of dp (module doc)
+    cp: int = 1  # context parallelism: ranks that split each packed row
 
     def __post_init__(self):
         if self.ep < 1 or self.dp % self.ep:
@@ -31,7 +33,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def expert_dp(self) -> int:
@@ -42,25 +44,30 @@ class ParallelDims:
         """megatron-core's expert coordinates of a rank (order tp-ep-edp-pp with expert TP = TP): which EP shard of
         the experts it holds ("ep") and which replica of that shard it is ("edp")."""
         c = self.coords(rank)
+        if self.cp > 1:
+            raise NotImplementedError("expert coordinates with policy.cp > 1")
         return {"tp": c["tp"], "ep": c["dp"] % self.ep, "edp": c["dp"] // self.ep, "pp": c["pp"]}
 
     @classmethod
     def from_world(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                   ep: int = 1) -> "ParallelDims":
-        if world_size % (tp * pp):
-            raise ValueError(f"tp*pp={tp * pp} does not divide world size {world_size}")
-        dims = cls(tp=tp, pp=pp, dp=dp if dp is not None else world_size // (tp * pp), ep=ep)
+                   ep: int = 1, cp: int = 1) -> "ParallelDims":
+        named = "tp*pp*cp" if cp > 1 else "tp*pp"
+        if world_size % (tp * pp * cp):
+            raise ValueError(f"{named}={tp * pp * cp} does not divide world size {world_size}")
+        dims = cls(tp=tp, pp=pp, dp=dp if dp is not None else world_size // (tp * pp * cp), ep=ep, cp=cp)
         if dims.world_size != world_size:
-            raise ValueError(f"tp*pp*dp={dims.world_size} != world size {world_size}")
+            raise ValueError(f"{named}*dp={dims.world_size} != world size {world_size}")
         return dims
 
     def coords(self, rank: int) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of {self.world_size}")
-        return {"tp": rank % self.tp, "dp": (rank // self.tp) % self.dp, "pp": rank // (self.tp * self.dp)}
+        inner = self.tp * self.cp
+        return {"tp": rank % self.tp, "cp": (rank // self.tp) % self.cp, "dp": (rank // inner) % self.dp,
+                "pp": rank // (inner * self.dp)}
 
-    def rank(self, tp: int = 0, dp: int = 0, pp: int = 0) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank(self, tp: int = 0, dp: int = 0, pp: int = 0, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def ranks_where(self, **fixed: int) -> list[int]:
         """Global ranks whose coordinates match `fixed`, e.g. ranks_where(tp=0, pp=0) = one rank per DP replica."""
@@ -68,7 +75,8 @@ class ParallelDims:
 
     def describe(self, rank: int) -> str:
         c = self.coords(rank)
-        return f"rank {rank} (tp={c['tp']}, dp={c['dp']}, pp={c['pp']})"
+        cp = f", cp={c['cp']}" if self.cp > 1 else ""
+        return f"rank {rank} (tp={c['tp']}{cp}, dp={c['dp']}, pp={c['pp']})"
 
 
 def _engines(*, policy_world: int, colocated: bool, tp: int, dp: int | None) -> tuple[int, int]:
@@ -141,8 +149,10 @@ class DeviceLayout:
         p, out = self.policy, {}
         for pp in range(p.pp):
             for dp in range(p.dp):
-                if p.tp > 1:
-                    out[f"policy TP group (dp={dp}, pp={pp})"] = p.ranks_where(dp=dp, pp=pp)
+                for cp in range(p.cp):
+                    if p.tp > 1:
+                        where = f"cp={cp}, dp={dp}, pp={pp}" if p.cp > 1 else f"dp={dp}, pp={pp}"
+                        out[f"policy TP group ({where})"] = p.ranks_where(dp=dp, pp=pp, cp=cp)
         for i, bundles in enumerate(self.engines):
             if len(bundles) > 1:
                 out[f"engine {i} (generation.tp={self.gen_tp})"] = bundles
@@ -150,7 +160,8 @@ class DeviceLayout:
 
 
 def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
-                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1, side_groups: int = 0) -> DeviceLayout:
+                  gen_dp: int | None, max_staleness: int = 0, ep: int = 1, side_groups: int = 0,
+                  cp: int = 1) -> DeviceLayout:
     """The layout of `devices` devices (GPUs, or CPU slots on CPU machines), or ValueError naming the config keys.
 
     Colocated: the policy's ranks take the devices (default dp: devices / (tp*pp)) and the engines time-share them.
@@ -158,8 +169,8 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
     engine) come out of the same count and the policy gets the rest, so a config that names its allocation's devices
     reserves exactly those. Async GRPO (`grpo.max_staleness >= 1`) overlaps generation with training, which only
     separate devices allow. Expert parallelism (policy.ep) divides the policy's data-parallel ranks, adding none."""
-    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("policy.ep", ep), ("generation.tp", gen_tp),
-                   ("cluster devices", devices)):
+    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("policy.ep", ep), ("policy.cp", cp),
+                   ("generation.tp", gen_tp), ("cluster devices", devices)):
         if v < 1:
             raise ValueError(f"{key} must be >= 1, got {v}")
     for key, v in (("policy.dp", dp), ("generation.dp", gen_dp)):
@@ -178,12 +189,13 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
             raise ValueError(f"generation.dp*tp = {gen} engine devices leave no device for the policy out of "
                              f"{where} = {devices} (cluster.colocated=false); raise cluster.devices_per_node or "
                              "lower generation.dp")
-    ranks = tp * pp * (dp or 1)
+    split, named = tp * pp * cp, "tp*pp*cp" if cp > 1 else "tp*pp"
+    ranks = split * (dp or 1)
     if ranks > room:
-        raise ValueError(f"policy.tp*pp*dp = {ranks} ranks do not fit cluster: {whose}")
-    if dp is None and room % (tp * pp):
-        raise ValueError(f"policy.tp*pp = {tp * pp} does not divide {whose}; set policy.dp explicitly")
-    policy = ParallelDims(tp=tp, pp=pp, dp=room // (tp * pp) if dp is None else dp, ep=ep)
+        raise ValueError(f"policy.{named}*dp = {ranks} ranks do not fit cluster: {whose}")
+    if dp is None and room % split:
+        raise ValueError(f"policy.{named} = {split} does not divide {whose}; set policy.dp explicitly")
+    policy = ParallelDims(tp=tp, pp=pp, dp=room // split if dp is None else dp, ep=ep, cp=cp)
     n_engines, _ = _engines(policy_world=policy.world_size, colocated=colocated, tp=gen_tp, dp=gen_dp)
     return DeviceLayout(devices, colocated, policy, gen_tp, n_engines, side_groups)
 
@@ -199,7 +211,7 @@ def layout_of(cfg) -> DeviceLayout:
     """`device_layout` of a `Config` (what `build()` places and the loader validates)."""
     c, p, g = cfg.cluster, cfg.policy, cfg.generation
     return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
-                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep,
+                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep, cp=p.cp,
                          side_groups=(getattr(cfg, "distillation", None) is not None)
                          + (getattr(getattr(cfg, "reward", None), "model", None) is not None)
                          + (getattr(cfg, "algorithm", "grpo") == "ppo"))

@@ -39,6 +39,7 @@ class CascadeSeqParams(PackedSeqParams):
     """PackedSeqParams plus, per segment, the index of the segment it also attends in full (-1: none), and the
     segment bounds as host lists (no device sync per layer)."""
 
+    per_token_positions = True  # class attribute: RoPE from each token's position (policy/model_hooks.py)
     prefix_of: list = None  # [n_segments] int
     starts: list = None  # [n_segments] first row index (padded layout)
     lengths: list = None  # [n_segments] real tokens
@@ -247,6 +248,13 @@ class VarlenMixin:
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
+        if getattr(packed_seq_params, "order", None) is not None:  # a context-parallel row (policy.cp)
+            from megatron_rl.models.cp_attention import cp_attention
+
+            if attention_bias is not None:
+                raise NotImplementedError("attention bias with context parallelism")
+            scale = getattr(self, "softmax_scale", None) or 1.0 / math.sqrt(query.shape[-1])
+            return cp_attention(query, key, value, packed_seq_params, scale)
         if packed_seq_params is not None and (self.own_thd or isinstance(packed_seq_params, CascadeSeqParams)):
             if attention_bias is not None:
                 raise NotImplementedError("attention bias with packed rows")

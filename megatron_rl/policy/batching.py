@@ -101,6 +101,9 @@ class MicroBatchRows:
     source: torch.Tensor | None = None
     # [b, s, MoE layers, k]: the engine's experts for each position's token, -1: none (policy/routing_replay.py)
     routing: torch.Tensor | None = None
+    # context parallelism: this rank's share of the row (policy/context_parallel.RowShare), set on the view the
+    # forward hands the loss; None otherwise
+    cp: object = None
 
     @property
     def filler(self) -> bool:

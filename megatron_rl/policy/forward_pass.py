@@ -9,6 +9,7 @@ bare GPTModel) and `_require_resident` (policy/residency.py); `_setup_forward(gp
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from megatron_rl.config.loader import resolve_model_dir
 from megatron_rl.config.schema import PolicyConfig
 from megatron_rl.platform import get_platform, install_megatron_cpu_compat
-from megatron_rl.policy import batching, packing
+from megatron_rl.policy import batching, context_parallel, packing
 from megatron_rl.policy.interface import RolloutBatch
 
 
@@ -102,10 +103,14 @@ class ForwardPass:
         tcfg = gpt.config
         self.shared_prefix = self._enable_shared_prefix(gpt)
         # varlen rows: the core attention of `build_model`'s spec takes them; a sliding window would be ignored
-        packing_mode = plat.default_packing if cfg.packing == "auto" else cfg.packing  # the loader's rule too
-        self.varlen = packing_mode == "varlen" and self.spec.sliding_window is None
-        self.segment_multiple = packing.segment_multiple(cfg.tp, 1, tcfg.sequence_parallel)
+        cp = getattr(cfg, "cp", 1)
+        self.varlen = packing.resolve_mode(cfg.packing, plat.default_packing, cp) == "varlen" \
+            and self.spec.sliding_window is None
+        self.cp = context_parallel.init_cp(cp)  # policy/context_parallel.py; size 1: no CP
+        self.segment_multiple = packing.segment_multiple(cfg.tp, cp, tcfg.sequence_parallel)
         self._logit_window = install_logit_window(gpt)  # None on stages without the lm_head
+        if cp > 1:
+            self._check_context_parallel(gpt)
         # None there too, and where the head cannot be fused (model_hooks.install_fused_head says when); a value
         # model's output layer already returns its head's values (models/value_head.py)
         self.value_model = cfg.value_head  # build_loaded_model installed the head (last stage)
@@ -116,14 +121,31 @@ class ForwardPass:
         self.gpt = gpt
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.is_output_rank = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        self.dp_size, self.dp_rank = self.cp.dp_size, self.cp.dp_rank  # data-parallel replicas, CP ranks apart
+        self.is_output_rank = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                               and self.cp.rank == 0)
         self._replay = None  # MoE routing replay: used for batches that carry the engine's routing
         if self.spec.moe is not None and getattr(cfg, "moe_routing_replay", "off") != "off":
             from megatron_rl.policy.routing_replay import MegatronRoutingReplay
 
             self._replay = MegatronRoutingReplay(gpt)
+
+    def _check_context_parallel(self, gpt) -> None:
+        """What a context-parallel rank relies on (policy/context_parallel.py), or ValueError naming the key."""
+        from megatron_rl.policy.model_hooks import install_position_rope
+
+        cp = self.cfg.cp
+        if not self.varlen:
+            raise ValueError(f"policy.cp={cp} needs packed rows (policy.packing: varlen) and a model without sliding-"
+                             "window attention")
+        # each token's own rotary angle (install_position_rope); TE's fused RoPE takes one table per batch
+        if gpt.config.apply_rope_fusion or (getattr(gpt, "rotary_pos_emb", None) is not None
+                                            and not install_position_rope(gpt)):
+            raise ValueError(f"policy.cp={cp} needs per-token RoPE positions, which fused RoPE (apply_rope_fusion) "
+                             "does not take")
+        last = getattr(gpt, "post_process", True)
+        if last and self._logit_window is None:  # the lm_head must run on this rank's response positions only
+            raise ValueError(f"policy.cp={cp} with multi-token prediction or sequence parallelism")
 
     def _enable_shared_prefix(self, gpt) -> bool:
         """Patch the model for packed groups, unless configured off or the model cannot take custom masks."""
@@ -156,6 +178,8 @@ class ForwardPass:
         """(output, mb as the loss sees it): on the last stage the logits cover only the response window (columns
         from the first response prediction on, `model_hooks.install_logit_window`) and the returned mb is narrowed
         to match; elsewhere the output is the stage's hidden states and mb is unchanged."""
+        if self.cp.size > 1:
+            return self._forward_share(model, mb)
         view = mb
         if self._logit_window is not None:
             self._logit_window.start, view = batching.response_window(mb) if self.narrow_logits else (0, mb)
@@ -165,7 +189,38 @@ class ForwardPass:
         return model(mb.tokens.to(self.device), mb.position_ids.to(self.device), mask,
                      packed_seq_params=batching.packed_on(mb.packed, self.device)), view
 
-    def _token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature):
+    def _forward_share(self, model, mb: batching.MicroBatchRows):
+        """`_forward` at CP > 1: the model runs this rank's share of the row (policy/context_parallel.py), the
+        lm_head on its response positions; the view is the whole row's, carrying the share (`cp`), and
+        `_token_stats` hands back the whole row's statistics. The logit window is always narrowed here: the
+        statistics are gathered by response position."""
+        share = context_parallel.split_row(mb.packed, mb.resp_mask, self.cp.size, self.cp.rank, self.cp.group)
+        tokens, positions, params = context_parallel.local_row(mb, share)
+        view = mb
+        if self._logit_window is not None:
+            if mb.filler:
+                self._logit_window.start = 0
+            else:
+                self._logit_window.start, view = share.resp_local, batching.response_window(mb)[1]
+        if self._replay is not None:
+            self._replay.set(None if mb.routing is None else mb.routing[:, share.cols])
+        out = model(tokens.to(self.device), positions.to(self.device), None,
+                    packed_seq_params=batching.packed_on(params, self.device))
+        return out, dataclasses.replace(view, cp=share)
+
+    def _token_stats(self, output: torch.Tensor, mb: batching.MicroBatchRows, temperature):
+        """(logprobs, entropy) per token of `mb`'s targets (the view `_forward` returned): at CP > 1 this rank's
+        response positions', then the whole row's gathered (`context_parallel.gather_responses`)."""
+        share = mb.cp
+        if share is None:
+            return self._local_token_stats(output, mb.targets, temperature)
+        if output.shape[1] == 0:  # no response position on this rank: still part of the graph (its backward runs
+            lp = ent = output[..., 0] * 0.0  # the attention's collectives like every other CP rank's)
+        else:
+            lp, ent = self._local_token_stats(output, mb.targets[:, share.resp_at[share.rank]], temperature)
+        return context_parallel.gather_responses(lp, share), context_parallel.gather_responses(ent, share)
+
+    def _local_token_stats(self, output: torch.Tensor, targets: torch.Tensor, temperature):
         """(logprobs, entropy) per token of the last stage's output: hidden states [b, s, h] after a fused head's
         forward (no logits are ever formed, kernels/linear.py), else this rank's vocabulary shard of the logits.
         `temperature`: a float, or the engine's whole sampling rule (`sampling_filter.TokenScoring`): with top-k /
@@ -204,6 +259,8 @@ class ForwardPass:
         teacher = fields.teacher_topk(mb, flat_lp.device)
         if teacher is None:
             return {}
+        if mb.cp is not None:  # the config loader refuses it first (config/distillation.py)
+            raise ValueError("top-k distillation (distillation.topk) with policy.cp > 1")
         from megatron.core import parallel_state as ps
 
         from megatron_rl.policy.sampling_filter import as_scoring
@@ -237,7 +294,7 @@ class ForwardPass:
             def loss_func(logits):
                 if mb.filler:
                     return logits.sum() * 0.0, {}
-                lp, ent = self._token_stats(logits, mb.targets, temperature)
+                lp, ent = self._token_stats(logits, mb, temperature)
                 for i, l, e in zip(mb.indices, batching.split_rows(lp, mb), batching.split_rows(ent, mb)):
                     out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
                 return lp.sum() * 0.0, {}

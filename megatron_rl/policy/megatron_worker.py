@@ -149,7 +149,7 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
         self._require_resident("train")
         mbs = self._micro_batches(batch)
         n_tokens = fields.n_tokens
-        first_dp = self.dp_rank == 0
+        first_dp = self.dp_rank == 0 and self.cp.rank == 0  # reports the token count once (module doc)
         own_lp: dict[int, torch.Tensor] = {}
 
         aux_coeff = None
@@ -164,7 +164,7 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
             def loss_func(logits):
                 if mb.filler:  # an exact zero gradient through the whole model, no token counted, no metrics
                     return logits.sum() * 0.0, torch.zeros((), dtype=torch.int, device=logits.device), {}
-                lp, ent = self._token_stats(logits, mb.targets, temperature)
+                lp, ent = self._token_stats(logits, mb, temperature)
                 flat_lp = batching.flat(lp, mb)
                 for i, l in zip(mb.indices, batching.split_rows(lp.detach(), mb)):
                     own_lp[i] = l.float().cpu()
@@ -195,7 +195,9 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
     def _sum_metrics(self, reduced_list) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
-        reduce = ps.is_pipeline_last_stage() and self.dp_size > 1
+        if self.cp.rank:  # a CP group's ranks compute the same metrics from the whole row: count them once
+            reduced_list = [{k: v * 0 for k, v in d.items()} for d in reduced_list]
+        reduce = ps.is_pipeline_last_stage() and ps.get_data_parallel_world_size() > 1  # CP ranks included
         return sum_metrics(reduced_list, ps.get_data_parallel_group() if reduce else None)
 
     def _optimizer_step(self) -> tuple[bool, float]:

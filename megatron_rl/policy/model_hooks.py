@@ -68,14 +68,12 @@ def install_position_rope(gpt) -> bool:
         return position_freqs(rope, pos)
 
     def record_positions(_module, args, kwargs):
-        from megatron_rl.models.varlen_attention import CascadeSeqParams
-
         pos = args[1] if len(args) > 1 else kwargs.get("position_ids")
         packed = kwargs.get("packed_seq_params")
         # a plain varlen row's positions restart at every segment, which megatron's THD RoPE (and TE's fused one)
-        # does from cu_seqlens by itself; only cascade rows (completions continue their prompt's positions) and
-        # dense shared-prefix rows need per-token angles
-        plain_thd = packed is not None and not isinstance(packed, CascadeSeqParams)
+        # does from cu_seqlens by itself; only cascade rows (completions continue their prompt's positions), a
+        # context-parallel rank's share of a row and dense shared-prefix rows need per-token angles
+        plain_thd = packed is not None and not getattr(packed, "per_token_positions", False)
         current["pos"] = None if pos is None or plain_thd or _plain(pos) else pos
 
     rope.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it

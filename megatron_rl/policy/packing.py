@@ -44,6 +44,14 @@ def segment_multiple(tp: int, cp: int = 1, sequence_parallel: bool = False) -> i
     return tp if sequence_parallel else 1
 
 
+def resolve_mode(packing: str, platform_default: str, cp: int = 1) -> str:
+    """`policy.packing` as the worker runs it: auto is the platform's default (varlen on GPU, none on CPU), and
+    varlen wherever context parallelism splits rows (it needs them)."""
+    if packing != "auto":
+        return packing
+    return "varlen" if cp > 1 else platform_default
+
+
 def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple if multiple > 1 else n
 

@@ -55,6 +55,8 @@ class TeacherWorker(ForwardPass, Residency, RankWorker):
         from megatron_rl.policy.topk import vocab_topk
 
         self._require_resident("compute top-k logprobs")
+        if self.cp.size > 1:  # the config loader refuses it first (config/distillation.py)
+            raise ValueError("top-k distillation (distillation.topk) with a context-parallel teacher")
         mbs = self._micro_batches(batch)
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         tp = self.tp_size > 1

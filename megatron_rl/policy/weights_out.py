@@ -27,7 +27,7 @@ class WeightsOut:
     def _is_exporter(self) -> bool:
         from megatron.core import parallel_state as ps
 
-        return ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0
+        return ps.get_tensor_model_parallel_rank() == 0 and self.dp_rank == 0 and self.cp.rank == 0
 
     def _pipeline(self) -> tuple[int, int, object]:
         """(this rank's pipeline stage, stages, the pipeline group or None); a backend without pipeline

@@ -64,6 +64,15 @@ ALLOWED = {
     ("megatron_rl/policy/fsdp2_load.py", "load_shards", "broadcast"):
         "each full tensor is made on the worker's device (`device`, the rank's GPU under NCCL) before the broadcast",
     ("megatron_rl/policy/fsdp2_load.py", "load_shards", "broadcast_object_list"): _OBJECT,
+    ("megatron_rl/models/cp_attention.py", "_all_gather", "all_gather"):
+        _MODEL_DEVICE + " (a context-parallel rank's keys and values, from its attention layer)",
+    ("megatron_rl/models/cp_attention.py", "_sum_to_owner", "all_reduce"):
+        _MODEL_DEVICE + " (the whole row's key/value gradient, gloo)",
+    ("megatron_rl/models/cp_attention.py", "_sum_to_owner", "reduce_scatter_tensor"):
+        _MODEL_DEVICE + " (the whole row's key/value gradient, NCCL)",
+    ("megatron_rl/policy/context_parallel.py", "_GatherResponses.forward", "all_gather"):
+        _MODEL_DEVICE + " (a CP rank's token logprobs or entropies, made from its hidden states)",
+    ("megatron_rl/policy/context_parallel.py", "init_cp", "all_gather_object"): _OBJECT,
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }
