@@ -21,6 +21,9 @@ Memory per GPU (training ranks; bf16 weights, Megatron mixed precision):
   mixture of experts (megatron_rl/planner/architecture.py): memory counts all parameters, routed experts sharded over EP
   (expert parallelism, ep | experts and ep | dp, as in megatron-core) and their optimizer state over dp/ep; an MoE
   layer keeps its top-k expert activations and the dispatched token copies per token.
+  context parallelism (policy.cp): each rank holds 1/CP of every packed row, so activations and logits per rank
+  are divided by CP; megatron-core sees the CP ranks as data-parallel ones, so the distributed optimizer shards over
+  DP x CP.
 Phase times:
   train 6 * params * tokens (8 with recompute) + causal attention FLOPs, at an assumed MFU, paced by the slowest
   pipeline stage (the last one also runs the output layer), slowed by the bubble (PP-1)/micro-batches and the
@@ -31,6 +34,10 @@ Phase times:
   for bf16); each MoE layer adds its token dispatch and combine (all-to-all of top-k x hidden bf16 per token, each
   way; NVLink inside a node, the network across) twice per forward and twice per backward, not overlapped with
   compute (megatron's default) and without DeepEP's per-node deduplication, so pessimistic where those are on;
+  context parallelism: a replica's tokens are split over its CP ranks (the zig-zag chunks balance causal
+  attention), and every layer all-gathers K and V over the CP group in the forward (again in a recompute) and sums
+  their gradients back in the backward: (CP-1)/CP of the row's K/V bytes per layer and pass, not overlapped (NVLink
+  when TP x CP GPUs share a node, else the network);
   logprobs 2 * params * tokens per forward-only pass: the "old" pass when the loop runs one (several optimizer steps
   per rollout, or async) and the KL reference's (grpo.logprob_passes(), the loop's own rule);
   decode is HBM-bandwidth bound: every step reads the instance's weights (MoE: the experts its batch picked) and
@@ -144,6 +151,7 @@ class Plan:
     colocated: bool
     max_staleness: int = 0  # >= 1: async GRPO (generation overlaps training)
     ep: int = 1  # expert parallelism (MoE): carved out of dp, as in megatron-core
+    cp: int = 1  # context parallelism: ranks splitting each packed row (adds ranks, like tp)
     memory_gib: dict = field(default_factory=dict)  # training-phase breakdown of the fullest stage
     train_peak_gib: float = 0.0
     fixed_peaks_gib: dict = field(default_factory=dict)  # peaks outside the phases (planner/fixed_peaks.py)
@@ -200,14 +208,17 @@ def usable_bytes(gpu: GPU) -> float:
     return gpu.memory_gib * GiB * 0.95 - 2.5 * GiB
 
 
-def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload, ep: int = 1) -> tuple[dict, float]:
+def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload, ep: int = 1,
+                 cp: int = 1) -> tuple[dict, float]:
     """(breakdown of the fullest stage in GiB, static bytes of that rank kept across phases)."""
     a = arch_of(spec)
-    t = wl.micro_tokens
+    t = wl.micro_tokens / cp  # this rank's share of each packed row
     logits = 4.0 * t * a.padded_vocab_for(tp) / tp  # bf16 logits + their gradient
     # full recompute keeps only each layer's input (split over TP only with sequence parallelism)
     kept_in = t * 2 * a.hidden / (tp if SEQUENCE_PARALLEL else 1)
-    edp = dp // ep  # the distributed optimizer shards expert state over the expert-data-parallel replicas
+    # the distributed optimizer shards over megatron's data-parallel ranks, which include the CP ranks; expert state
+    # over the expert-data-parallel replicas
+    dp, edp = dp * cp, dp * cp // ep
     best = None
     acts = _stage_act_bytes(a, tp, pp)
     for i, ((dense, expert), n, (act_sum, act_max)) in enumerate(
@@ -298,8 +309,18 @@ def dp_link_bytes_s(gpu: GPU, gpus: int) -> float:
     return (gpu.nvlink_gb_s if gpus <= gpu.nvlink_domain else gpu.network_gb_s) * 1e9 * COLLECTIVE_EFF
 
 
+def cp_gather_s_per_token(spec, gpu: GPU, tp: int, cp: int) -> float:
+    """Seconds per token of a replica for one pass's K/V all-gathers over the CP group (every layer; module doc): each
+    rank receives the other ranks' (cp-1)/cp of the row's K and V (bf16), split over its TP ranks by KV head."""
+    if cp == 1:
+        return 0.0
+    a = arch_of(spec)
+    per_token = a.layers * a.kv_bytes / min(tp, a.kv_splits) * (cp - 1) / cp
+    return per_token / dp_link_bytes_s(gpu, tp * cp)
+
+
 def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool, wl: Workload,
-                     ep: int = 1, collectives: bool = True) -> dict:
+                     ep: int = 1, collectives: bool = True, cp: int = 1) -> dict:
     """Logprob and train seconds of one step; `collectives=False` leaves out the distributed optimizer's (the FSDP2
     backend, planner/fsdp2_cost.py, prices its own). `micro`: micro-batches per optimizer step of one replica."""
     a = arch_of(spec)
@@ -309,16 +330,20 @@ def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool,
     a2a = dispatch_s_per_token_layer(a, gpu, tp, ep)
     # seconds per token of one forward on each stage; a pipeline runs at the pace of its slowest stage
     stages = [d / dense_rate + e / expert_rate + m * a2a for d, e, m in stage_fwd_flops(a, pp, wl.mean_len)]
+    # CP ranks share a replica's tokens; each pass adds its K/V all-gathers (a stage holds layers/pp of them)
+    gather = cp_gather_s_per_token(a, gpu, tp, cp) / pp
+    stages = [s / cp for s in stages]
     fwd = max(stages)
     micro = max(1, math.ceil(group_tokens / wl.optimizer_steps / wl.micro_tokens))
     bubble = 1.0 + (pp - 1) / micro
-    train = group_tokens * fwd * (4 if recompute else 3) * bubble
-    if dp > 1 and collectives:  # distributed optimizer: fp32 grad reduce-scatter + bf16 param all-gather, once per
-        dense, expert = max(stage_param_split(a, tp, pp, ep), key=sum)  # optimizer step
-        edp = dp // ep
-        moved = 6.0 * (dense * (dp - 1) / dp + expert * (edp - 1) / edp)
-        train += wl.optimizer_steps * moved / dp_link_bytes_s(gpu, tp * pp * dp)
-    logprobs = wl.logprob_passes * group_tokens * fwd * bubble
+    # the gathers: forward, backward (gradients summed back), and the recompute's forward again
+    train = group_tokens * (fwd * (4 if recompute else 3) + gather * (3 if recompute else 2)) * bubble
+    if dp * cp > 1 and collectives:  # distributed optimizer: fp32 grad reduce-scatter + bf16 param all-gather, once
+        dense, expert = max(stage_param_split(a, tp, pp, ep), key=sum)  # per optimizer step, over DP x CP
+        mdp, edp = dp * cp, dp * cp // ep
+        moved = 6.0 * (dense * (mdp - 1) / mdp + expert * (edp - 1) / edp)
+        train += wl.optimizer_steps * moved / dp_link_bytes_s(gpu, tp * pp * mdp)
+    logprobs = wl.logprob_passes * group_tokens * (fwd + gather) * bubble
     balance = sum(stages) / (pp * fwd)
     return {"logprobs": logprobs, "train": train, "bubble": bubble - 1.0, "balance": balance, "micro": micro}
 
@@ -380,12 +405,12 @@ def _straddles(first: int, n: int, tp: int, domain: int) -> bool:
 
 
 def layout_problem(spec, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int, colocated: bool,
-                   max_staleness: int = 0, domain: int = 0, ep: int = 1) -> str | None:
+                   max_staleness: int = 0, domain: int = 0, ep: int = 1, cp: int = 1) -> str | None:
     """Why the runtime would refuse this layout (the loader's and build()'s own rules), or why the planner does
     (TP across NVLink `domain`s, when given), or None."""
     if gen_gpus % gen_tp:
         return f"{gen_gpus} generation GPUs do not split into vLLM-TP={gen_tp} instances"
-    train_gpus = tp * pp * dp
+    train_gpus = tp * pp * cp * dp
     if domain and not colocated and _straddles(train_gpus, gen_gpus, gen_tp, domain):
         # the planner's own rule (the runtime would run it, slowly): engines take the GPUs after the trainer's
         return f"a vLLM-TP={gen_tp} engine would span two NVLink domains of {domain} GPUs"
@@ -399,23 +424,23 @@ def layout_problem(spec, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: in
         check_engine_split(tp=gen_tp, heads=a.heads, kv_heads=a.kv_heads)
         device_layout(devices=train_gpus if colocated else train_gpus + gen_gpus, tp=tp, pp=pp, dp=dp,
                       colocated=colocated, gen_tp=gen_tp, gen_dp=gen_gpus // gen_tp, max_staleness=max_staleness,
-                      ep=ep)
+                      ep=ep, cp=cp)
     except ValueError as e:
         return str(e)
     return pp_problem(a, pp)
 
 
 def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp: int, gen_gpus: int,
-             recompute: bool, colocated: bool, max_staleness: int = 0, ep: int = 1) -> Plan | str:
+             recompute: bool, colocated: bool, max_staleness: int = 0, ep: int = 1, cp: int = 1) -> Plan | str:
     """A Plan when the layout fits, else a string saying what does not fit (or which runtime rule refuses it)."""
     spec = arch_of(spec)  # once: every model function below takes the Arch as it is
     refused = layout_problem(spec, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=gen_gpus, colocated=colocated,
-                             max_staleness=max_staleness, domain=gpu.nvlink_domain, ep=ep)
+                             max_staleness=max_staleness, domain=gpu.nvlink_domain, ep=ep, cp=cp)
     if refused:
         return f"refused: {refused}"
-    train_gpus = tp * pp * dp
+    train_gpus = tp * pp * cp * dp
     usable = usable_bytes(gpu)
-    mem, static = train_memory(spec, tp, pp, dp, recompute, wl, ep)
+    mem, static = train_memory(spec, tp, pp, dp, recompute, wl, ep, cp)
     train_peak = sum(mem.values()) * GiB
     if train_peak > usable:
         return f"training needs {train_peak / GiB:.1f} GiB per GPU (usable {usable / GiB:.1f})"
@@ -436,7 +461,7 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
                 + (f" next to the trainer's {resident / GiB:.1f} GiB of gradients" if colocated else "")
                 + f"; the KV cache holds {kv_tokens} tokens < one {wl.seq_len}-token sequence")
     gen = generation_time(spec, gpu, gen_tp, gen_gpus // gen_tp, kv_tokens, wl)
-    side = train_side_times(spec, gpu, tp, pp, dp, recompute, wl, ep)
+    side = train_side_times(spec, gpu, tp, pp, dp, recompute, wl, ep, cp=cp)
     if colocated:
         # each GPU's vLLM shard comes from the trainer ranks that hold one copy of the model (tp * pp * ep of them):
         # over NVLink when they share a node, else (a pipeline or EP group across nodes) over the network
@@ -453,7 +478,7 @@ def evaluate(spec, gpu: GPU, wl: Workload, *, tp: int, pp: int, dp: int, gen_tp:
              "switch": switch}
     step = step_time(times, max_staleness=max_staleness)
     kv_bytes = kv_tokens * kv_gpu
-    p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, max_staleness=max_staleness, ep=ep,
+    p = Plan(tp, pp, dp, gen_tp, train_gpus, gen_gpus, recompute, colocated, max_staleness=max_staleness, ep=ep, cp=cp,
              memory_gib=mem, train_peak_gib=train_peak / GiB, gen_peak_gib=(resident + vllm_w + kv_bytes) / GiB,
              kv_gib=kv_bytes / GiB, kv_tokens=kv_tokens, concurrency=gen["concurrency"], seqs_per_instance=gen["seqs"],
              times_s=times, step_s=step, eager_decode=wl.enforce_eager, vllm_gib=(vllm_w + kv_bytes) / GiB,

@@ -103,7 +103,8 @@ def layout_overrides(p: Plan, gpu: GPU) -> list[str]:
             f"cluster.colocated={_key(p.colocated)}", f"policy.tp={p.tp}", f"policy.pp={p.pp}", f"policy.dp={p.dp}",
             f"policy.activation_recompute={_key(p.recompute)}", f"generation.tp={p.gen_tp}",
             f"generation.dp={p.gen_instances}", f"generation.gpu_memory_utilization={util}",
-            f"grpo.max_staleness={p.max_staleness}"] + ([f"policy.ep={p.ep}"] if p.ep > 1 else [])
+            f"grpo.max_staleness={p.max_staleness}"] + ([f"policy.ep={p.ep}"] if p.ep > 1 else []) \
+        + ([f"policy.cp={p.cp}"] if p.cp > 1 else [])
 
 
 def _shape(spec) -> tuple:

@@ -31,6 +31,7 @@ config loader accepted it; `megatron-rl train OUT` runs it. Workload flags becom
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import sys
@@ -96,6 +97,9 @@ def _ep_options(spec, dp: int) -> list[int]:
     return [ep for ep in range(1, min(a.experts, dp) + 1) if a.experts % ep == 0 and dp % ep == 0] or [1]
 
 
+CP_OPTIONS = (1, 2, 4, 8)  # context-parallel sizes tried (policy.cp): its gathers cost time; it wins where rows do not fit
+
+
 def _splits(gpus: int, colocated: bool, gen_gpus: int | None) -> list[tuple[int, int]]:
     """(trainer GPUs, vLLM GPUs) to try. Colocated: both on every GPU."""
     if colocated:
@@ -140,24 +144,24 @@ def plan(spec, gpus: int, gpu: GPU, wl: Workload, *, colocated: bool = True, top
             if n_gen % gen_tp:
                 continue
             for tp in _tp_options(spec, gpu, vllm=False):
-                for pp in pps:
-                    if train_gpus % (tp * pp):
+                for pp, cp in itertools.product(pps, CP_OPTIONS):
+                    if train_gpus % (tp * pp * cp):
                         continue
-                    dp = train_gpus // (tp * pp)
+                    dp = train_gpus // (tp * pp * cp)
                     for ep in _ep_options(spec, dp):
                         for recompute in (False, True):
                             r = evaluate(spec, gpu, wl, tp=tp, pp=pp, dp=dp, gen_tp=gen_tp, gen_gpus=n_gen,
                                          recompute=recompute, colocated=colocated, max_staleness=max_staleness,
-                                         ep=ep)
+                                         ep=ep, cp=cp)
                             if isinstance(r, Plan):
                                 fits.append(r)
                                 continue
-                            where = (f"tp={tp} pp={pp} dp={dp}" + (f" ep={ep}" if ep > 1 else "")
-                                     + f" recompute={'on' if recompute else 'off'}")
+                            where = (f"tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + f" dp={dp}"
+                                     + (f" ep={ep}" if ep > 1 else "") + f" recompute={'on' if recompute else 'off'}")
                             if r.startswith("generation"):
                                 where += f" vLLM-tp={gen_tp}"
-                            misses.append((sum(train_memory(spec, tp, pp, dp, recompute, wl, ep)[0].values()),
-                                           f"{where}: {r}"))
+                            mem = train_memory(spec, tp, pp, dp, recompute, wl, ep, cp)[0]
+                            misses.append((sum(mem.values()), f"{where}: {r}"))
     if not fits:
         if not misses:
             a = arch_of(spec)
@@ -202,7 +206,7 @@ def _table(plans: list[Plan]) -> str:
             "tok/s/GPU", "binding constraint")
     rows = [head]
     for i, p in enumerate(plans, 1):
-        layout = f"{p.tp}/{p.pp}/{p.dp}" + (f" EP{p.ep}" if p.ep > 1 else "")
+        layout = f"{p.tp}/{p.pp}/{p.dp}" + (f" CP{p.cp}" if p.cp > 1 else "") + (f" EP{p.ep}" if p.ep > 1 else "")
         rows.append((str(i), layout, "on" if p.recompute else "off",
                      f"{p.gen_tp} x {p.gen_instances}", f"{p.train_peak_gib:.1f}", f"{p.kv_gib:.1f}",
                      f"{p.concurrency}/{p.seqs_per_instance}", f"{p.step_s:.1f}", f"{p.tokens_per_s_per_gpu:,.0f}",

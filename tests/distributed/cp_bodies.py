@@ -16,14 +16,14 @@ from tests.distributed.shared_prefix_bodies import make_group_batch
 BUDGET = 40
 
 
-def _run(rank, world_size, model_dir, batch, cp=1, shared=True, **kw):
+def _run(rank, world_size, model_dir, batch, cp=1, shared=True, recompute=False, **kw):
     from megatron.core import parallel_state as ps
 
     from megatron_rl.policy import context_parallel
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
     cfg = _cfg(model_dir, budget=BUDGET, **kw)
-    cfg.cp, cfg.packing, cfg.shared_prefix = cp, "varlen", shared
+    cfg.cp, cfg.packing, cfg.shared_prefix, cfg.activation_recompute = cp, "varlen", shared, recompute
     w = MegatronPolicyWorker(rank, world_size, policy_cfg=cfg)
     w.setup()
     mbs = w._micro_batches(batch)
@@ -50,13 +50,17 @@ LAYOUTS = {  # name -> (world size, worker options)
     "cp1_dp2": (2, dict(cp=1)),
     "cp2": (2, dict(cp=2)),
     "cp2_plain": (2, dict(cp=2, shared=False)),  # varlen rows without cascade prefixes
+    "cp2_recompute": (2, dict(cp=2, recompute=True)),  # the backward re-runs each layer's all-gathers
     "cp2_tp2": (4, dict(cp=2, tp=2)),
     "cp2_pp2": (4, dict(cp=2, pp=2)),
     "cp2_dp2": (4, dict(cp=2)),
 }
 
 
-def cp_vs_reference(rank: int, world_size: int, model_dir: str, names: list[str]):
+MOE = {"cp1_moe": dict(cp=1), "cp2_moe": dict(cp=2)}  # a tiny Qwen3-MoE (4 experts, top-2), EP = 1
+
+
+def cp_vs_reference(rank: int, world_size: int, model_dir: str, names: list[str], moe_dir: str | None = None):
     vocab = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
     batch = make_group_batch(vocab)
     ref_lps, ref_loss, ref_norm, ref_state = hf_reference(model_dir, batch)
@@ -66,4 +70,9 @@ def cp_vs_reference(rank: int, world_size: int, model_dir: str, names: list[str]
         size, kw = LAYOUTS[name]
         assert size == world_size, (name, world_size)
         res[name] = _run(rank, world_size, model_dir, batch, **kw)
+    if moe_dir is not None:  # MoE layers at CP = 2 against CP = 1 (the same megatron code; HF parity of the model is
+        # tests/distributed/test_models_qwen3_moe.py's)
+        moe_vocab = json.load(open(f"{moe_dir}/config.json"))["vocab_size"]
+        for name, kw in MOE.items():
+            res[name] = _run(rank, world_size, moe_dir, make_group_batch(moe_vocab), **kw)
     return res

@@ -1,7 +1,9 @@
 """Context parallelism on the Megatron backend (policy.cp, policy/context_parallel.py): at CP = 2, alone and with
 TP = 2, PP = 2 or DP = 2, one logprob pass and one training step on varlen rows with cascade prefixes and uneven
 lengths give the logprobs, loss, gradient norm and updated weights of CP = 1 and of the unpacked HF + torch AdamW
-reference, in fp32 to 1e-5; each CP rank holds half of every row, in megatron's zig-zag chunks.
+reference, in fp32 to 1e-5, also with full activation recompute; a tiny Qwen3-MoE at CP = 2 equals CP = 1; each CP
+rank holds half of every row, in megatron's zig-zag chunks. The batch's one-token completions are segments shorter
+than 2 * CP: padded to 2 * CP, they need no refusal.
 """
 import pytest
 import torch
@@ -20,8 +22,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two(model_dir):
-    return run_distributed(cp_bodies.cp_vs_reference, 2, args=(model_dir, TWO), timeout=900)[0]
+def two(model_dir, tmp_path_factory):
+    moe_dir = str(write_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "moe", "qwen3_moe", seed=3))
+    return run_distributed(cp_bodies.cp_vs_reference, 2, args=(model_dir, TWO, moe_dir), timeout=900)[0]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def _close_lists(got, want, atol):
         torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda s: f"sequence {i}: {s}")
 
 
-@pytest.mark.parametrize("name", [n for n in cp_bodies.LAYOUTS if n != "cp1_dp2"])
+@pytest.mark.parametrize("name", [n for n in cp_bodies.LAYOUTS if n.startswith("cp2")])
 def test_cp_equals_reference_and_cp1(two, four, name):
     res = _results(two, four, name)
     r = res[name]
@@ -59,7 +62,7 @@ def test_cp_equals_reference_and_cp1(two, four, name):
         torch.testing.assert_close(v, cp1["after"][k], atol=1e-5, rtol=0, msg=lambda s: f"{name} {k}: {s}")
 
 
-@pytest.mark.parametrize("name", [n for n in cp_bodies.LAYOUTS if n != "cp1_dp2"])
+@pytest.mark.parametrize("name", [n for n in cp_bodies.LAYOUTS if n.startswith("cp2")])
 def test_each_cp_rank_holds_its_zigzag_half(two, four, name):
     r = _results(two, four, name)[name]
     coords = r["coords"]
@@ -75,3 +78,14 @@ def test_each_cp_rank_holds_its_zigzag_half(two, four, name):
             assert len(a) == len(b) == n // 2 and sorted(a + b) == list(range(n))
             assert a == sorted(a) and 0 in a and n - 1 in a  # rank 0: first and last chunk of each segment
     assert r["outputs"] == max(c["dp_rank"] for c in coords) + 1  # one output rank per data-parallel replica
+
+
+def test_moe_layers_at_cp2_equal_cp1(two):
+    a, b = two["cp2_moe"], two["cp1_moe"]
+    _close_lists(a["logprobs"], b["logprobs"], 1e-5)
+    _close_lists([a["train_logprobs"][i] for i in range(len(a["logprobs"]))], b["logprobs"], 1e-5)
+    for key in ("loss", "grad_norm", "tokens"):
+        assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert a["after"].keys() == b["after"].keys() and any("experts" in k for k in a["after"])
+    for k, v in a["after"].items():
+        torch.testing.assert_close(v, b["after"][k], atol=1e-5, rtol=0, msg=lambda s: f"{k}: {s}")

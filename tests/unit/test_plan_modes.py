@@ -105,7 +105,7 @@ def test_every_plan_is_a_config_the_loader_accepts(name, gpus, mode):
     assert plans
     for p in plans:
         # counts by hand: the trainer's ranks, vLLM's instances, and every GPU of the job used exactly once
-        assert p.tp * p.pp * p.dp == p.train_gpus and p.gen_tp * p.gen_instances == p.gen_gpus
+        assert p.tp * p.pp * p.cp * p.dp == p.train_gpus and p.gen_tp * p.gen_instances == p.gen_gpus
         assert (p.train_gpus if colocated else p.train_gpus + p.gen_gpus) == gpus == p.total_gpus
         cfg = typed_config(REPO / "configs" / "base.yaml", layout_overrides(p, H100))
         validate(cfg, check_model=False)  # the loader's layout checks (ConfigError otherwise)
