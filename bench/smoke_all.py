@@ -32,6 +32,7 @@ SMOKES = {
     "plan_vs_nemo_rl": ("plan_vs_nemo_rl", ["--smoke"], 120),
     "logprob_bench": ("logprob_bench", ["--smoke"], 180),
     "fused_head_memory": ("fused_head_memory", ["--smoke"], 240),
+    "cp_memory": ("cp_memory", ["--smoke"], 240),
     "convert_bench": ("convert_bench", ["--smoke"], 300),
     "policy_bench": ("policy_bench", ["--smoke"], 300),
     "shared_prefix_bench": ("shared_prefix_bench", ["--smoke"], 300),

@@ -1,8 +1,8 @@
 """Disaggregated placement (`cluster.colocated: false`): the engine has a bundle of its own and every refit travels
 by broadcast from each pipeline stage's exporting rank over a gloo group that spans trainer and engine — the code
 that runs over NCCL on GPU. After training, the engine must serve exactly the trained weights (its greedy output
-equals HF transformers loaded with the policy's exported weights), at TP = 2 and at PP = 2 (two stages, two groups,
-no gather of the model on one rank)."""
+equals HF transformers loaded with the policy's exported weights), at TP = 2, at PP = 2 (two stages, two groups,
+no gather of the model on one rank) and at CP = 2 (context parallelism: each rank trains on half of every row)."""
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +28,10 @@ class TextReward:
 # TP=2 is opt-in (`-m slow`): PP=2 runs the same collective refit from two ranks (each exporting its stage), and
 # test_colocated_refit.py[bf16-tp] the TP=2 export; every line TP=2 runs here is run by those
 # (tests/tools/redundant_tests.py and a labelled coverage run, 2026-12-07)
-@pytest.mark.parametrize("layout", [pytest.param("policy.tp=2", marks=pytest.mark.slow), "policy.pp=2"])
+# CP=2 (policy/context_parallel.py): the step trains on each rank's half of every row, with the engine's top-k / top-p
+# filter on each rank's own positions, and only CP rank 0 exports
+@pytest.mark.parametrize("layout", [pytest.param("policy.tp=2", marks=pytest.mark.slow), "policy.pp=2",
+                                    "policy.cp=2"])
 def test_collective_refit_serves_the_trained_weights(layout, tiny_model_factory, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

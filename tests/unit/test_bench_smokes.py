@@ -56,6 +56,8 @@ EXPECT = {
     "logprob_bench": (["forward+backward", "naive ", "fused ", "fused_ent ", "head_unfused ", "head_fused ",
                        "head_fused_filtered ", "fused / unfused:", "filtered / fused:"], None),
     "fused_head_memory": (["228 unfused", "228 fused", "fused/unfused step growth"], None),
+    # context parallelism: CP 1 and 2 on one row, the same loss and gradient norm
+    "cp_memory": (["cp=2 / cp=1: step memory growth", "RESULTS "], None),
     "convert_bench": (["hf-to-megatron", "megatron-to-hf", "ratios vs reference (wall)", "round trip exact"], None),
     "policy_bench": (["batch: 4 x 32 tokens", "megatron-rl ", "hf+adamw ", "ratio "], None),
     "shared_prefix_bench": (["padded ", "shared (mask) ", "varlen ", "varlen + cascade ", "lm_head everywhere",
