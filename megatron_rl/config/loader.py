@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from megatron_rl.config.cp_rules import validate_context_parallel
 from megatron_rl.config.moe_rules import routing_replay_enabled
+from megatron_rl.config.sequence_rules import validate_sequence_split
 from megatron_rl.config.schema import Config
 from megatron_rl.platform import get_platform
 from megatron_rl.distributed.parallel_dims import check_engine_split, check_expert_split, check_policy_split, layout_of
@@ -234,7 +234,7 @@ def resolve_model_dir(model: str) -> Path:
 def validate(cfg: Config, check_model: bool = True) -> Config:
     """Cross-field checks. Raises ConfigError naming the key path(s) involved."""
     p, g, c = cfg.policy, cfg.grpo, cfg.cluster
-    positive = {"policy.tp": p.tp, "policy.pp": p.pp, "policy.cp": p.cp, "generation.tp": cfg.generation.tp,
+    positive = {"policy.tp": p.tp, "policy.pp": p.pp, "policy.cp": p.cp, "policy.sp": p.sp, "generation.tp": cfg.generation.tp,
                 "grpo.num_prompts_per_step": g.num_prompts_per_step, "cluster.num_nodes": c.num_nodes,
                 "grpo.num_generations_per_prompt": g.num_generations_per_prompt, "cluster.devices_per_node":
                 c.devices_per_node, "grpo.optimizer_steps_per_rollout": g.optimizer_steps_per_rollout,
@@ -264,7 +264,7 @@ def validate(cfg: Config, check_model: bool = True) -> Config:
     if cfg.generation.precision == "auto":
         cfg.generation.precision = cfg.policy.precision
     try:
-        validate_context_parallel(cfg)  # config/cp_rules.py: before packing's default, which CP fixes
+        validate_sequence_split(cfg)  # config/sequence_rules.py: before packing's default, which CP fixes
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.policy.packing == "auto":  # fsdp2: none, its varlen row has a [t, t] mask; megatron: Platform.packing_for
@@ -439,6 +439,13 @@ def validate_against_model(cfg: Config) -> None:
     try:
         check_policy_split(tp=cfg.policy.tp, pp=cfg.policy.pp, heads=heads, kv_heads=kv,
                            layers=hf.get("num_hidden_layers"), ffn=hf.get("intermediate_size"))
+        if cfg.policy.sp > 1:  # Ulysses: each SP rank attends heads / (tp * sp) (policy/fsdp2_sp.py)
+            from types import SimpleNamespace
+
+            from megatron_rl.policy.fsdp2_sp import check_heads
+
+            check_heads(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv), cfg.policy.tp,
+                        cfg.policy.sp)
         check_engine_split(tp=cfg.generation.tp, heads=heads, kv_heads=kv)
     except ValueError as e:
         raise ConfigError(f"{e} of {cfg_file}") from None

@@ -75,6 +75,9 @@ class PolicyConfig:
     # context parallelism: each packed row split over cp ranks (2*cp zig-zag chunks per sequence, K/V all-gathered
     # per layer; policy/context_parallel.py). Needs packed rows: packing auto becomes varlen. Adds ranks like tp
     cp: int = 1
+    # Ulysses sequence parallelism on policy.backend=fsdp2: each row split over sp ranks, all-to-all from sequence-
+    # to head-sharded around attention (policy/fsdp2_sp.py); sp divides the heads per TP rank. Adds ranks like tp
+    sp: int = 1
     # expert parallelism (MoE models): each expert lives on one of ep ranks. As in megatron-core, the EP ranks are
     # taken out of the data-parallel ones (ep divides dp; experts' gradients average over dp / ep replicas), so ep
     # does not change the world size tp * pp * dp

@@ -24,7 +24,8 @@ class ParallelDims:
     pp: int = 1
     dp: int = 1
     ep: int = 1  # expert parallelism, carved out of dp (module doc)
-    cp: int = 1  # context parallelism: ranks that split each packed row
+    # ranks that split each row: context parallelism (policy.cp, megatron) or Ulysses (policy.sp, fsdp2; never both)
+    cp: int = 1
 
     def __post_init__(self):
         if self.ep < 1 or self.dp % self.ep:
@@ -161,7 +162,7 @@ class DeviceLayout:
 
 def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: bool, gen_tp: int,
                   gen_dp: int | None, max_staleness: int = 0, ep: int = 1, side_groups: int = 0,
-                  cp: int = 1) -> DeviceLayout:
+                  cp: int = 1, sp: int = 1) -> DeviceLayout:
     """The layout of `devices` devices (GPUs, or CPU slots on CPU machines), or ValueError naming the config keys.
 
     Colocated: the policy's ranks take the devices (default dp: devices / (tp*pp)) and the engines time-share them.
@@ -169,7 +170,7 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
     engine) come out of the same count and the policy gets the rest, so a config that names its allocation's devices
     reserves exactly those. Async GRPO (`grpo.max_staleness >= 1`) overlaps generation with training, which only
     separate devices allow. Expert parallelism (policy.ep) divides the policy's data-parallel ranks, adding none."""
-    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("policy.ep", ep), ("policy.cp", cp),
+    for key, v in (("policy.tp", tp), ("policy.pp", pp), ("policy.ep", ep), ("policy.cp", cp), ("policy.sp", sp),
                    ("generation.tp", gen_tp), ("cluster devices", devices)):
         if v < 1:
             raise ValueError(f"{key} must be >= 1, got {v}")
@@ -189,13 +190,14 @@ def device_layout(*, devices: int, tp: int, pp: int, dp: int | None, colocated: 
             raise ValueError(f"generation.dp*tp = {gen} engine devices leave no device for the policy out of "
                              f"{where} = {devices} (cluster.colocated=false); raise cluster.devices_per_node or "
                              "lower generation.dp")
-    split, named = tp * pp * cp, "tp*pp*cp" if cp > 1 else "tp*pp"
+    split = tp * pp * cp * sp
+    named = "tp*pp" + ("*cp" if cp > 1 else "") + ("*sp" if sp > 1 else "")
     ranks = split * (dp or 1)
     if ranks > room:
         raise ValueError(f"policy.{named}*dp = {ranks} ranks do not fit cluster: {whose}")
     if dp is None and room % split:
         raise ValueError(f"policy.{named} = {split} does not divide {whose}; set policy.dp explicitly")
-    policy = ParallelDims(tp=tp, pp=pp, dp=room // split if dp is None else dp, ep=ep, cp=cp)
+    policy = ParallelDims(tp=tp, pp=pp, dp=room // split if dp is None else dp, ep=ep, cp=cp * sp)
     n_engines, _ = _engines(policy_world=policy.world_size, colocated=colocated, tp=gen_tp, dp=gen_dp)
     return DeviceLayout(devices, colocated, policy, gen_tp, n_engines, side_groups)
 
@@ -211,7 +213,7 @@ def layout_of(cfg) -> DeviceLayout:
     """`device_layout` of a `Config` (what `build()` places and the loader validates)."""
     c, p, g = cfg.cluster, cfg.policy, cfg.generation
     return device_layout(devices=c.num_nodes * c.devices_per_node, tp=p.tp, pp=p.pp, dp=p.dp, colocated=c.colocated,
-                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep, cp=p.cp,
+                         gen_tp=g.tp, gen_dp=g.dp, max_staleness=cfg.grpo.max_staleness, ep=p.ep, cp=p.cp, sp=p.sp,
                          side_groups=(getattr(cfg, "distillation", None) is not None)
                          + (getattr(getattr(cfg, "reward", None), "model", None) is not None)
                          + (getattr(cfg, "algorithm", "grpo") == "ppo"))

@@ -45,8 +45,9 @@ class ContextParallelSeqParams(PackedSeqParams):
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] on every rank -> [world * n, ...], ranks in group order."""
+    x = x.contiguous()  # empty_like below must give dense buffers, not a view's strides
     out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, x.contiguous(), group=group)
+    dist.all_gather(out, x, group=group)
     return torch.cat(out)
 
 

@@ -52,7 +52,7 @@ from megatron_rl.models.checkpoint import FSDP2_PREFIX
 from megatron_rl.models.hf_layers import decoder_layers
 from megatron_rl.models.hf_masks import hf_attention_mask, layer_mask_kinds
 from megatron_rl.platform import get_platform
-from megatron_rl.policy import batching, fsdp2_load, fsdp2_lora, packing
+from megatron_rl.policy import batching, fsdp2_load, fsdp2_lora, fsdp2_sp, packing
 from megatron_rl.policy.forward_pass import join_process_group
 from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, parallelize, vocab_slice
 from megatron_rl.policy.grad_ops import build_scheduler, restore_scheduler, scheduler_state
@@ -147,8 +147,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             raise ValueError(f"policy.tp={self.tp_size} does not divide the {world} policy ranks")
         self.mesh = init_device_mesh(plat.device_type, (world // self.tp_size, self.tp_size),
                                      mesh_dim_names=("dp", "tp"))
-        self.dp_group = self.mesh.get_group("dp")
-        self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.dp_group = self.mesh.get_group("dp")  # FSDP's: the data-parallel replicas' ranks and their SP ranks
+        self.sp = fsdp2_sp.init_sp(cfg.sp, self.mesh)  # Ulysses (policy/fsdp2_sp.py); size 1: none
+        self.dp_size, self.dp_rank = self.sp.dp_size, self.sp.dp_rank
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.model_dir = resolve_model_dir(cfg.model)
         self.dtype = plat.resolve_dtype(cfg.precision)
@@ -171,13 +172,16 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
         self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))
         self.varlen = cfg.packing == "varlen"  # auto is none on this backend (config loader)
-        self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen else None
+        self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen or cfg.sp > 1 else None
         # hooks before FSDP wraps the layers (they stay on the router modules); None: no load-balancing loss
         self.router = RouterLogits(lm) if cfg.moe_aux_loss_coef > 0 else None
         self._replay = HFRoutingReplay.install(lm, cfg.moe_routing_replay)  # MoE routing replay, or None
         if cfg.activation_recompute:  # each decoder layer's activations recomputed in its backward (HF's own hook,
             # which keeps the parameter names: a wrapper module would rename every tensor the export and DCP write)
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.sp.size > 1:  # attention over the whole row for 1/SP of the heads (policy/fsdp2_sp.py)
+            fsdp2_sp.check_heads(lm.config, self.tp_size, self.sp.size)
+            fsdp2_sp.install(lm, decoder_layers(lm), self.sp.group, "eager" if capped else "sdpa")
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if self.dtype != torch.float32 else MixedPrecisionPolicy()
         tp_group = None
@@ -265,6 +269,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
     def _score(self, mb: batching.MicroBatchRows, temperature: float, fields: StepFields | None = None):
         """(logprobs, entropy, the mb narrowed to the response window, extra LossInputs): the extras are top-k
         distillation's teacher and student logprobs at the teacher's ids when `fields`' batch carries them, else {}."""
+        if self.sp.size > 1:  # this rank's chunk of the rows, the responses gathered (no top-k: the loader refuses)
+            return fsdp2_sp.score(self, mb, temperature)
         start, view = batching.response_window(mb)
         dev = self.device
         window = start if isinstance(start, int) else start.to(dev)
@@ -294,7 +300,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
                     out[i] = (l.float().cpu(), e.float().cpu()) if with_entropy else l.float().cpu()
         finally:
             self.model.train()
-        return out if self.tp_rank == 0 else {}  # a TP group's ranks hold the same values: one sends them
+        return out if self._is_sender() else {}  # a TP (or SP) group's ranks hold the same values: one sends them
 
     def logprobs_and_entropy(self, batch: RolloutBatch, temperature: float = 1.0):
         return self.logprobs(batch, temperature, with_entropy=True)
@@ -357,13 +363,15 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             else:
                 loss.backward()
             reduced.append(reduced_metrics(loss, metrics, mb))
-        metrics = sum_metrics(reduced, self.dp_group if self.dp_size > 1 else None)
+        if self.sp.rank:  # an SP group's ranks compute the same metrics from the whole rows: count them once
+            reduced = [{k: v * 0 for k, v in d.items()} for d in reduced]
+        metrics = sum_metrics(reduced, self.dp_group if dist.get_world_size(self.dp_group) > 1 else None)
         lr = float(self.optimizer.param_groups[0]["lr"])  # what this step trains at (the step ticks the scheduler)
         skipped, grad_norm = self._optimizer_step()
         self.consumed_samples += len(batch)
         metrics.update(grad_norm=grad_norm, lr=lr,
                        policy_peak_memory_gb=get_platform().peak_memory_bytes() / 2**30)
-        return {"metrics": metrics, "logprobs": own_lp if self.tp_rank == 0 else {}, "skipped": skipped}
+        return {"metrics": metrics, "logprobs": own_lp if self._is_sender() else {}, "skipped": skipped}
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Clip and step unless the global gradient norm is non-finite (all ranks agree: the norm is global)."""
@@ -383,8 +391,11 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         return False, norm
 
     # ------------------------------------------------------------------------------------------------ export
+    def _is_sender(self) -> bool:
+        return self.tp_rank == 0 and self.sp.rank == 0
+
     def _is_exporter(self) -> bool:
-        return self.dp_rank == 0 and self.tp_rank == 0
+        return self.dp_rank == 0 and self._is_sender()
 
     def _pipeline(self) -> tuple[int, int, object]:
         return 0, 1, None

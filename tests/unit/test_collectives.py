@@ -73,6 +73,8 @@ ALLOWED = {
     ("megatron_rl/policy/context_parallel.py", "_GatherResponses.forward", "all_gather"):
         _MODEL_DEVICE + " (a CP rank's token logprobs or entropies, made from its hidden states)",
     ("megatron_rl/policy/context_parallel.py", "init_cp", "all_gather_object"): _OBJECT,
+    ("megatron_rl/policy/fsdp2_sp.py", "_exchange", "all_to_all_single"):
+        _MODEL_DEVICE + " (an SP rank's q, k, v or attention output, or their gradients)",
     ("megatron_rl/testing/ray_workers.py", "AllReduceWorker.all_reduce", "all_reduce"):
         "test worker whose group is gloo (init_dist): a CPU tensor is what gloo needs",
 }

@@ -1,4 +1,4 @@
-"""policy.cp without a process group: the rank layout against megatron-core's own rank generator, each CP rank's
+"""policy.cp (and policy.sp's config) without a process group: the rank layout against megatron-core's own rank generator, each CP rank's
 share of a packed row and its attention calls against the causal + cascade rule written from the definition, and a
 one-line error naming the key for each combination that cannot run. The numbers (CP = 2 against CP = 1 and HF) are
 tests/distributed/test_context_parallel.py's."""
@@ -125,6 +125,12 @@ def _load(tmp_path, devices, *overrides):
     return load_config(p, list(overrides))
 
 
+def test_sp_takes_ranks(tmp_path):
+    cfg = _load(tmp_path, 4, "policy.sp=2", "policy.backend=fsdp2")
+    dims = layout_of(cfg).policy
+    assert (dims.dp, dims.world_size) == (2, 4) and cfg.policy.packing == "none"  # any packing: Ulysses splits rows
+
+
 def test_cp_takes_ranks_and_packs_rows(tmp_path):
     cfg = _load(tmp_path, 4, "policy.cp=2")
     dims = layout_of(cfg).policy
@@ -140,6 +146,14 @@ def test_cp_takes_ranks_and_packs_rows(tmp_path):
     (6, ["policy.cp=4"], r"policy\.tp\*pp\*cp = 4 does not divide .*set policy\.dp explicitly"),
     (2, ["policy.cp=2", "policy.packing=none"], r"policy\.cp=2 splits packed rows: set policy\.packing=varlen"),
     (2, ["policy.cp=2", "policy.backend=fsdp2"], r"policy\.cp=2 runs on policy\.backend=megatron"),
+    # Ulysses (policy.sp) on fsdp2: heads per rank, and what it does not combine with
+    (2, ["policy.sp=2"], r"policy\.sp=2 \(Ulysses\) runs on policy\.backend=fsdp2"),
+    (4, ["policy.sp=4", "policy.backend=fsdp2"], r"policy\.sp=4: num_key_value_heads=2 is not divisible by "
+                                                 r"policy\.tp\*sp=4"),
+    (4, ["policy.sp=2", "policy.tp=2", "policy.backend=fsdp2"], r"num_key_value_heads=2 is not divisible by "
+                                                                r"policy\.tp\*sp=4"),
+    (2, ["policy.sp=2", "policy.backend=fsdp2", "policy.tp=2"], r"policy\.tp\*pp\*sp\*dp = 4 ranks do not fit"),
+    (2, ["policy.sp=0", "policy.backend=fsdp2"], r"policy\.sp must be >= 1, got 0"),
 ])
 def test_bad_cp_layouts_name_the_key(tmp_path, devices, overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
