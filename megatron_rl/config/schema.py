@@ -96,6 +96,7 @@ class PolicyConfig:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # tokens one rank holds in a micro-batch; a row split over policy.cp (or policy.sp) ranks holds cp (sp) x it
     max_tokens_per_microbatch: int = 4096
     activation_recompute: bool = False
     shared_prefix: bool = True  # train a group's shared prompt once (one packed sequence per group)

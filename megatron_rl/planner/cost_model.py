@@ -119,7 +119,8 @@ class Workload:
     seq_len: int = 8192  # longest prompt + response
     avg_len: int | None = None  # mean prompt + response tokens (default: seq_len / 2)
     prompt_len: int = 256
-    mb_tokens: int | None = None  # tokens per training micro-batch (default: seq_len)
+    # tokens one rank holds per training micro-batch (policy.max_tokens_per_microbatch; default: seq_len / cp)
+    mb_tokens: int | None = None
     optimizer_steps: int = 1  # optimizer steps per rollout batch
     # forward-only passes per step; the default is what the loop runs with the default config (none: one optimizer
     # step reuses its first forward as the "old" logprobs, and there is no KL reference)
@@ -137,6 +138,11 @@ class Workload:
     @property
     def micro_tokens(self) -> int:
         return max(self.mb_tokens or self.seq_len, self.seq_len)
+
+    def rank_tokens(self, cp: int = 1) -> float:
+        """Tokens a rank holds per micro-batch at context-parallel size cp: the budget, and at least its share of
+        the longest row (a row split over cp ranks holds cp x the budget)."""
+        return max(self.mb_tokens or 0, self.seq_len / cp)
 
 
 @dataclass
@@ -212,7 +218,7 @@ def train_memory(spec, tp: int, pp: int, dp: int, recompute: bool, wl: Workload,
                  cp: int = 1) -> tuple[dict, float]:
     """(breakdown of the fullest stage in GiB, static bytes of that rank kept across phases)."""
     a = arch_of(spec)
-    t = wl.micro_tokens / cp  # this rank's share of each packed row
+    t = wl.rank_tokens(cp)  # this rank's share of each packed row
     logits = 4.0 * t * a.padded_vocab_for(tp) / tp  # bf16 logits + their gradient
     # full recompute keeps only each layer's input (split over TP only with sequence parallelism)
     kept_in = t * 2 * a.hidden / (tp if SEQUENCE_PARALLEL else 1)
@@ -334,7 +340,7 @@ def train_side_times(spec, gpu: GPU, tp: int, pp: int, dp: int, recompute: bool,
     gather = cp_gather_s_per_token(a, gpu, tp, cp) / pp
     stages = [s / cp for s in stages]
     fwd = max(stages)
-    micro = max(1, math.ceil(group_tokens / wl.optimizer_steps / wl.micro_tokens))
+    micro = max(1, math.ceil(group_tokens / wl.optimizer_steps / (wl.rank_tokens(cp) * cp)))
     bubble = 1.0 + (pp - 1) / micro
     # the gathers: forward, backward (gradients summed back), and the recompute's forward again
     train = group_tokens * (fwd * (4 if recompute else 3) + gather * (3 if recompute else 2)) * bubble

@@ -165,10 +165,12 @@ class ForwardPass:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
         # plan (which units form each micro-batch) -> rows (its tensors); the loss then gathers per token from them.
         # Experts at DP > 1: equal micro-batch counts over DP ranks (megatron_worker's module doc)
-        plan = packing.plan_microbatches(batch, shared=self.shared_prefix, varlen=self.varlen,
-                                         max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
-                                         dp_rank=self.dp_rank, multiple=self.segment_multiple,
-                                         equal_counts=self.dp_size > 1 and self.spec.moe is not None)
+        # the budget is what one rank holds: a context-parallel row holds cp x it
+        plan = packing.plan_split_rows(batch, shared=self.shared_prefix, varlen=self.varlen,
+                                       max_tokens=self.cfg.max_tokens_per_microbatch, ranks=self.cp.size,
+                                       key="policy.cp", dp_size=self.dp_size, dp_rank=self.dp_rank,
+                                       multiple=self.segment_multiple,
+                                       equal_counts=self.dp_size > 1 and self.spec.moe is not None)
         from megatron_rl.policy.routing_replay import attach
 
         return attach(batch, [batching.rows(batch, units, varlen=self.varlen, multiple=self.segment_multiple)

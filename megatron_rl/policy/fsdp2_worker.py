@@ -260,9 +260,10 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         batching.check_batch(batch, self.vocab_size, self.max_positions)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        plan = packing.plan_microbatches(batch, shared=self.cfg.shared_prefix, varlen=self.varlen,
-                                         max_tokens=self.cfg.max_tokens_per_microbatch, dp_size=self.dp_size,
-                                         dp_rank=self.dp_rank, multiple=1, equal_counts=self.dp_size > 1)
+        plan = packing.plan_split_rows(batch, shared=self.cfg.shared_prefix, varlen=self.varlen,  # per-rank budget
+                                       max_tokens=self.cfg.max_tokens_per_microbatch, ranks=self.sp.size,
+                                       key="policy.sp", dp_size=self.dp_size, dp_rank=self.dp_rank, multiple=1,
+                                       equal_counts=self.dp_size > 1)
         mbs = [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
         return attach(batch, mbs, self._replay)
 

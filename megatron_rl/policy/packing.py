@@ -121,6 +121,19 @@ def plan_microbatches(batch: RolloutBatch, *, shared: bool, varlen: bool, max_to
     return [[units[k] for k in mb.indices] for mb in mbs]
 
 
+def plan_split_rows(batch: RolloutBatch, *, max_tokens: int, ranks: int, key: str, **kw) -> list[list[Unit]]:
+    """`plan_microbatches` for rows split over `ranks` ranks (`key`: policy.cp or policy.sp): the budget
+    (policy.max_tokens_per_microbatch) is what one rank holds, so a row may hold `ranks` times it."""
+    try:
+        return plan_microbatches(batch, max_tokens=max_tokens * ranks, **kw)
+    except SequenceTooLongError as e:
+        if ranks == 1:
+            raise
+        said = f"policy.max_tokens_per_microbatch={max_tokens * ranks}"
+        raise SequenceTooLongError(str(e).replace(said, f"{key}={ranks} x policy.max_tokens_per_microbatch="
+                                                       f"{max_tokens}")) from None
+
+
 def _plan_bundles(batch: RolloutBatch, units: list[Unit], *, varlen: bool, max_tokens: int, dp_size: int,
                   dp_rank: int, equal_counts: bool) -> list[list[Unit]]:
     """`keep_groups`: the units of one group (its packed row, or its sequences when it is not packed) form one

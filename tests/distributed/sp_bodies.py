@@ -41,7 +41,7 @@ LAYOUTS = {  # name -> (world size, model ("gqa": 4 query heads on 2 KV heads; "
     "sp2_split": (2, "gqa", dict(sp=2, budget=40)),
     "sp2_dense": (2, "gqa", dict(sp=2, packing="none")),
     "sp2_tp2": (4, "mha", dict(sp=2, tp=2)),
-    "sp2_dp2": (4, "mha", dict(sp=2, packing="none", budget=32)),  # dense group rows, a filler on one replica
+    "sp2_dp2": (4, "mha", dict(sp=2, packing="none", budget=16)),  # rows of 2 x 16 tokens: a filler on one replica
 }
 
 

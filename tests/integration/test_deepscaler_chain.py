@@ -20,7 +20,8 @@ from outside the run as bench/soak.py does) and the stage times are printed.
     .venv/bin/python -m pytest -m slow -s tests/integration/test_deepscaler_chain.py      # ~7.5 min on 2 cores
 
 MRL_CHAIN_CONTEXT_DIV=16 runs the same chain with every stage's context divided by 16 (a quick check of the chain
-itself; the true-length assertions are skipped then).
+itself; the true-length assertions are skipped then). MRL_CHAIN_CP=2 runs every stage with context parallelism over
+two policy ranks (policy.cp=2, one engine): the policy's peak is then the larger rank's (docs/long_context.md).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ PROBLEMS = [("What is 17 + 25?", "42"), ("Compute 6 * 7 - 5.", "37"), ("What is 
             ("Solve for x: 3x + 4 = 19.", "5")]
 ROLES = {"policy": "ray::MegatronPolicyWorker", "generator": "ray::GeneratorActor"}
 DIV = int(os.environ.get("MRL_CHAIN_CONTEXT_DIV", "1"))
+CP = int(os.environ.get("MRL_CHAIN_CP", "1"))
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +105,9 @@ class PeakSampler:
 
 
 def _chain_file(tmp: Path) -> Path:
-    """The repo's chain, or with MRL_CHAIN_CONTEXT_DIV the same stage configs at 1/DIV of their context."""
-    if DIV == 1:
+    """The repo's chain, or with MRL_CHAIN_CONTEXT_DIV the same stage configs at 1/DIV of their context; with
+    MRL_CHAIN_CP each stage's micro-batch budget (what one rank holds) divided by CP, so the rows are CP = 1's."""
+    if DIV == 1 and CP == 1:
         return CHAIN
     from megatron_rl.algorithms.stages import load_stages
     from megatron_rl.config import load_config
@@ -113,9 +116,10 @@ def _chain_file(tmp: Path) -> Path:
     for st in load_stages(CHAIN):
         cfg = load_config(st.config, [], check_model=False)
         ctx = cfg.max_model_len() // DIV
+        context = [] if DIV == 1 else ["data.max_prompt_tokens=128", f"generation.max_model_len={ctx}",
+                                       f"generation.max_new_tokens={ctx - 128}"]
         stages.append({"config": str(Path(st.config).resolve()), "overrides": [
-            "data.max_prompt_tokens=128", f"generation.max_model_len={ctx}", f"generation.max_new_tokens={ctx - 128}",
-            f"policy.max_tokens_per_microbatch={cfg.policy.max_tokens_per_microbatch // DIV}"]})
+            *context, f"policy.max_tokens_per_microbatch={cfg.policy.max_tokens_per_microbatch // DIV // CP}"]})
     path = tmp / "chain.yaml"
     path.write_text(yaml.safe_dump({"stages": stages}))
     return path
@@ -157,7 +161,8 @@ def test_deepscaler_chain_at_true_lengths(model, tmp_path):
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in PROBLEMS))
     chain = _chain_file(tmp_path)
-    overrides = [f"policy.model={model}", f"data.path={data}", f"data.val_path={data}", "cluster.devices_per_node=1",
+    overrides = [f"policy.model={model}", f"data.path={data}", f"data.val_path={data}", f"cluster.devices_per_node={CP}",
+                 f"policy.cp={CP}", "generation.dp=1",
                  "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_steps=1",
                  "grpo.val_every=0", "grpo.loss.entropy_coef=0.01", f"policy.optimizer.lr={LR}",
                  "reward.num_workers=1", "logging.progress=false", "logging.plots=false", "logging.tensorboard=false"]

@@ -159,3 +159,25 @@ def test_bad_cp_layouts_name_the_key(tmp_path, devices, overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
         _load(tmp_path, devices, *overrides)
     assert "\n" not in str(e.value)
+
+
+def test_the_budget_is_what_one_rank_holds():
+    """policy.max_tokens_per_microbatch is a rank's share: a 32K-token multi-turn trajectory (observation tokens
+    masked) is refused at a 16K budget on one rank, naming the key, and planned whole at CP = 2."""
+    from megatron_rl.policy.microbatch import SequenceTooLongError
+
+    n = 32768
+    mask = torch.ones(n - 500, dtype=torch.bool)
+    mask[4000:9000] = False  # a tool's output between two turns: context, not trained
+    batch = RolloutBatch(input_ids=[[7] * (n + 1)], prompt_lens=[501], advantages=[1.0], loss_mask=[mask])
+    kw = dict(shared=True, varlen=True, dp_size=1, dp_rank=0, key="policy.cp")
+    with pytest.raises(SequenceTooLongError, match=r"sequence 0 has 32768 tokens, more than "
+                                                   r"policy\.max_tokens_per_microbatch=16384"):
+        packing.plan_split_rows(batch, max_tokens=16384, ranks=1, multiple=1, **kw)
+    plan = packing.plan_split_rows(batch, max_tokens=16384, ranks=2, multiple=packing.segment_multiple(1, 2), **kw)
+    assert [[u.members for u in mb] for mb in plan] == [[(0,)]]
+    mb = batching.varlen_row(batch, plan[0], packing.segment_multiple(1, 2))
+    share = context_parallel.split_row(mb.packed, mb.resp_mask, 2, 0, None)
+    assert len(share.cols) == 16384  # what the rank holds: its budget
+    with pytest.raises(SequenceTooLongError, match=r"policy\.cp=2 x policy\.max_tokens_per_microbatch=8192"):
+        packing.plan_split_rows(batch, max_tokens=8192, ranks=2, multiple=4, **kw)
