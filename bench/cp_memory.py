@@ -16,45 +16,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PROMPT, RESPONSE = 100, 23552  # the 24K stage's max_new_tokens
+sys.path.insert(1, str(ROOT / "bench"))
+from fused_head_memory import PROMPT, STAGE_RESPONSES  # noqa: E402 (bench/ on the path first)
+
+RESPONSE = STAGE_RESPONSES[-1]  # the 24K stage's max_new_tokens
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 32}
 
 
-def _hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmHWM:"))
-
-
 def _arm(rank, world, model_dir, cp, resp, vocab):
+    from fused_head_memory import hwm_mib, pg_loss, stage_group  # bench/: the same group and loss
+
     from megatron_rl.config.schema import OptimizerConfig, PolicyConfig
-    from megatron_rl.policy.interface import RolloutBatch
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
 
-    def loss(inp):  # a policy-gradient loss over the trained tokens
-        out = -(inp.advantages * inp.logprobs * inp.mask).sum() / inp.num_global_tokens
-        return out, {"loss": out.detach()}
-
     cfg = PolicyConfig(model=model_dir, precision="fp32", packing="varlen", shared_prefix=True, cp=cp,
-                       max_tokens_per_microbatch=PROMPT + 2 * resp + 8 * cp,
+                       max_tokens_per_microbatch=PROMPT + 2 * resp + 8,  # one rank's budget: the whole row
                        optimizer=OptimizerConfig(distributed=True))
     w = MegatronPolicyWorker(rank, world, policy_cfg=cfg)
     w.setup()
-    rng = random.Random(0)
-    prompt = [rng.randrange(vocab) for _ in range(PROMPT)]
-    ids = [prompt + [rng.randrange(vocab) for _ in range(resp)] for _ in range(2)]
-    batch = RolloutBatch(input_ids=ids, prompt_lens=[PROMPT, PROMPT], advantages=[1.0, -1.0], group_ids=[0, 0])
-    setup = _hwm_mib()
+    batch = stage_group(vocab, resp)
+    setup = hwm_mib()
     t0 = time.perf_counter()
-    out = w.train(batch, loss)
-    return dict(cp=cp, rank=rank, tokens=PROMPT - 1 + 2 * resp, setup_mib=setup, train_mib=_hwm_mib(),
+    out = w.train(batch, pg_loss)
+    return dict(cp=cp, rank=rank, tokens=PROMPT - 1 + 2 * resp, setup_mib=setup, train_mib=hwm_mib(),
                 step_s=time.perf_counter() - t0, loss=out["metrics"]["loss"] if out else None,
                 grad_norm=out["metrics"]["grad_norm"] if out else None)
 

@@ -26,33 +26,41 @@ STAGE_RESPONSES = (7168, 15360, 23552)
 PROMPT = 100
 
 
-def _hwm_mib() -> float:
+def hwm_mib() -> float:
     with open("/proc/self/status") as f:
         return next(int(x.split()[1]) / 1024 for x in f if x.startswith("VmHWM:"))
 
 
+def pg_loss(inp):
+    """A policy-gradient loss over the trained tokens: the step's gradients flow through every logit."""
+    out = -(inp.advantages * inp.logprobs * inp.mask).sum() / inp.num_global_tokens
+    return out, {"loss": out.detach()}
+
+
+def stage_group(vocab: int, resp: int):
+    """One GRPO group: a PROMPT-token prompt and two `resp`-token responses (advantages +1 / -1)."""
+    from megatron_rl.policy.interface import RolloutBatch
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(vocab) for _ in range(PROMPT)]
+    ids = [prompt + [rng.randrange(vocab) for _ in range(resp)] for _ in range(2)]
+    return RolloutBatch(input_ids=ids, prompt_lens=[PROMPT, PROMPT], advantages=[1.0, -1.0], group_ids=[0, 0])
+
+
 def _arm(rank, world, model_dir, fused, resp, vocab):
     from megatron_rl.config.schema import PolicyConfig
-    from megatron_rl.policy.interface import RolloutBatch
     from megatron_rl.policy.megatron_worker import MegatronPolicyWorker
-
-    def loss(inp):  # a policy-gradient loss over the trained tokens: the step's gradients flow through every logit
-        out = -(inp.advantages * inp.logprobs * inp.mask).sum() / inp.num_global_tokens
-        return out, {"loss": out.detach()}
 
     cfg = PolicyConfig(model=model_dir, precision="bf16", packing="varlen", shared_prefix=True,
                        activation_recompute=True, max_tokens_per_microbatch=PROMPT + 2 * resp, fused_lm_head=fused)
     w = MegatronPolicyWorker(rank, world, policy_cfg=cfg)
     w.setup()
-    rng = random.Random(0)
-    prompt = [rng.randrange(vocab) for _ in range(PROMPT)]
-    ids = [prompt + [rng.randrange(vocab) for _ in range(resp)] for _ in range(2)]
-    batch = RolloutBatch(input_ids=ids, prompt_lens=[PROMPT, PROMPT], advantages=[1.0, -1.0], group_ids=[0, 0])
-    setup = _hwm_mib()
-    w.train(batch, loss)
-    train = _hwm_mib()
+    batch = stage_group(vocab, resp)
+    setup = hwm_mib()
+    w.train(batch, pg_loss)
+    train = hwm_mib()
     w.logprobs(batch)
-    return dict(fused=fused, tokens=PROMPT + 2 * resp, setup_mib=setup, train_mib=train, logprobs_mib=_hwm_mib(),
+    return dict(fused=fused, tokens=PROMPT + 2 * resp, setup_mib=setup, train_mib=train, logprobs_mib=hwm_mib(),
                 fused_head=w._fused_head is not None)
 
 

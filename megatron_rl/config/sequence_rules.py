@@ -12,34 +12,28 @@ def validate_sequence_split(cfg: Config) -> None:
     (CP splits packed rows)."""
     p = cfg.policy
     if p.sp > 1:
-        _validate_ulysses(cfg)
-    cp = p.cp
-    if cp == 1:
+        if p.backend != "fsdp2":
+            raise ValueError(f"policy.sp={p.sp} (Ulysses) runs on policy.backend=fsdp2; megatron splits sequences "
+                             "with policy.cp")
+        _refuse_unsplit(cfg, "policy.sp", p.sp)
+    if p.cp == 1:
         return
     if p.backend != "megatron":
-        raise ValueError(f"policy.cp={cp} runs on policy.backend=megatron; the fsdp2 backend does not split "
-                         "sequences yet")
+        raise ValueError(f"policy.cp={p.cp} runs on policy.backend=megatron; the fsdp2 backend splits sequences with "
+                         "policy.sp (Ulysses)")
     if p.packing == "none":
-        raise ValueError(f"policy.cp={cp} splits packed rows: set policy.packing=varlen (or auto)")
+        raise ValueError(f"policy.cp={p.cp} splits packed rows: set policy.packing=varlen (or auto)")
     p.packing = "varlen"
-    if p.moe_aux_loss_coef > 0:  # each rank's router would balance its own share of the tokens
-        raise ValueError(f"policy.moe_aux_loss_coef={p.moe_aux_loss_coef} with policy.cp={cp}: the load-balancing "
-                         "loss is not split over CP ranks; set policy.moe_aux_loss_coef=0")
-    d = getattr(cfg, "distillation", None)
-    if d is not None and getattr(d, "topk", 0):
-        raise ValueError(f"distillation.topk={d.topk} with policy.cp={cp}: top-k distillation does not run "
-                         "context-parallel; use distillation.topk=0 (the sampled-token loss) or policy.cp=1")
+    _refuse_unsplit(cfg, "policy.cp", p.cp)
 
 
-def _validate_ulysses(cfg: Config) -> None:
-    p, sp = cfg.policy, cfg.policy.sp
-    if p.backend != "fsdp2":
-        raise ValueError(f"policy.sp={sp} (Ulysses) runs on policy.backend=fsdp2; megatron splits sequences with "
-                         "policy.cp")
-    if p.moe_aux_loss_coef > 0:
-        raise ValueError(f"policy.moe_aux_loss_coef={p.moe_aux_loss_coef} with policy.sp={sp}: the load-balancing "
-                         "loss is not split over SP ranks; set policy.moe_aux_loss_coef=0")
+def _refuse_unsplit(cfg: Config, key: str, n: int) -> None:
+    """What neither split divides over its ranks: the MoE load-balancing loss (each rank's router would balance its
+    own share of the tokens) and top-k distillation (the student's top-k logprobs are not gathered)."""
+    if cfg.policy.moe_aux_loss_coef > 0:
+        raise ValueError(f"policy.moe_aux_loss_coef={cfg.policy.moe_aux_loss_coef} with {key}={n}: the load-"
+                         "balancing loss is not split over ranks; set policy.moe_aux_loss_coef=0")
     d = getattr(cfg, "distillation", None)
     if d is not None and getattr(d, "topk", 0):
-        raise ValueError(f"distillation.topk={d.topk} with policy.sp={sp}: top-k distillation does not run sequence-"
-                         "parallel; use distillation.topk=0 (the sampled-token loss) or policy.sp=1")
+        raise ValueError(f"distillation.topk={d.topk} with {key}={n}: top-k distillation does not run on split "
+                         f"rows; use distillation.topk=0 (the sampled-token loss) or {key}=1")

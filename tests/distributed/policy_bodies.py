@@ -88,6 +88,13 @@ def _cfg(model_dir, tp=1, pp=1, budget=4096, distributed=True, precision="fp32",
                                                   distributed=distributed))
 
 
+def close_lists(got, want, atol):
+    """Two lists of per-sequence tensors equal to `atol` (the message names the sequence)."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda s: f"sequence {i}: {s}")
+
+
 def _merge(results: list) -> dict:
     """Combine {index: value} dicts returned by the output ranks (None elsewhere)."""
     out = {}

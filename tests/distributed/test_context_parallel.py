@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl.distributed.launch import run_distributed
 from megatron_rl.models.tiny import write_tiny_hf_model
+from tests.distributed.policy_bodies import close_lists
 from tests.distributed import cp_bodies
 
 TWO = [n for n, (size, _) in cp_bodies.LAYOUTS.items() if size == 2]
@@ -36,18 +37,12 @@ def _results(two, four, name):
     return two if name in TWO else four
 
 
-def _close_lists(got, want, atol):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda s: f"sequence {i}: {s}")
-
-
 @pytest.mark.parametrize("name", [n for n in cp_bodies.LAYOUTS if n.startswith("cp2")])
 def test_cp_equals_reference_and_cp1(two, four, name):
     res = _results(two, four, name)
     r = res[name]
-    _close_lists(r["logprobs"], res["ref_lps"], 1e-5)
-    _close_lists([r["train_logprobs"][i] for i in range(res["n"])], res["ref_lps"], 1e-5)
+    close_lists(r["logprobs"], res["ref_lps"], 1e-5)
+    close_lists([r["train_logprobs"][i] for i in range(res["n"])], res["ref_lps"], 1e-5)
     assert r["metrics"]["loss"] == pytest.approx(res["ref_loss"], rel=1e-5, abs=1e-7)
     assert r["metrics"]["grad_norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
     ref = res["ref_state"]
@@ -55,7 +50,7 @@ def test_cp_equals_reference_and_cp1(two, four, name):
     for k, v in r["after"].items():
         torch.testing.assert_close(v, ref[k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{name} {k}: {s}")
     cp1 = two["cp1_dp2"]  # the same step without context parallelism
-    _close_lists(r["logprobs"], cp1["logprobs"], 1e-5)
+    close_lists(r["logprobs"], cp1["logprobs"], 1e-5)
     for key in ("loss", "grad_norm", "tokens"):
         assert r["metrics"][key] == pytest.approx(cp1["metrics"][key], rel=1e-5, abs=1e-7), key
     for k, v in r["after"].items():
@@ -82,8 +77,8 @@ def test_each_cp_rank_holds_its_zigzag_half(two, four, name):
 
 def test_moe_layers_at_cp2_equal_cp1(two):
     a, b = two["cp2_moe"], two["cp1_moe"]
-    _close_lists(a["logprobs"], b["logprobs"], 1e-5)
-    _close_lists([a["train_logprobs"][i] for i in range(len(a["logprobs"]))], b["logprobs"], 1e-5)
+    close_lists(a["logprobs"], b["logprobs"], 1e-5)
+    close_lists([a["train_logprobs"][i] for i in range(len(a["logprobs"]))], b["logprobs"], 1e-5)
     for key in ("loss", "grad_norm", "tokens"):
         assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
     assert a["after"].keys() == b["after"].keys() and any("experts" in k for k in a["after"])

@@ -7,6 +7,7 @@ import torch
 
 from megatron_rl.distributed.launch import run_distributed
 from megatron_rl.models.tiny import write_tiny_hf_model
+from tests.distributed.policy_bodies import close_lists
 from tests.distributed import sp_bodies
 
 TWO = [n for n, (size, _, _) in sp_bodies.LAYOUTS.items() if size == 2]
@@ -30,18 +31,12 @@ def four(models):
     return run_distributed(sp_bodies.sp_vs_reference, 4, args=({"mha": models["mha"]}, FOUR), timeout=900)[0]
 
 
-def _close_lists(got, want, atol):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=lambda s: f"sequence {i}: {s}")
-
-
 @pytest.mark.parametrize("name", [n for n in sp_bodies.LAYOUTS if n.startswith("sp2")])
 def test_sp_equals_reference(two, four, name):
     res = two if name in TWO else four
     r, ref = res[name], res[sp_bodies.LAYOUTS[name][1]]
-    _close_lists(r["logprobs"], ref["ref_lps"], 1e-5)
-    _close_lists([r["train_logprobs"][i] for i in range(ref["n"])], ref["ref_lps"], 1e-5)
+    close_lists(r["logprobs"], ref["ref_lps"], 1e-5)
+    close_lists([r["train_logprobs"][i] for i in range(ref["n"])], ref["ref_lps"], 1e-5)
     assert r["metrics"]["loss"] == pytest.approx(ref["ref_loss"], rel=1e-5, abs=1e-7)
     assert r["metrics"]["grad_norm"] == pytest.approx(ref["ref_norm"], rel=1e-5)
     assert r["after"] and set(r["after"]) <= set(ref["ref_state"])
@@ -61,7 +56,7 @@ def test_sp_equals_reference(two, four, name):
 
 def test_sp2_equals_sp1(two):
     a, b = two["sp2"], two["sp1_dp2"]
-    _close_lists(a["logprobs"], b["logprobs"], 1e-5)
+    close_lists(a["logprobs"], b["logprobs"], 1e-5)
     for key in ("loss", "grad_norm", "tokens"):
         assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
     for k, v in a["after"].items():
