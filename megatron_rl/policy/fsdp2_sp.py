@@ -15,7 +15,9 @@ tokens only. FSDP shards over DP x SP (the mesh's "dp" dimension holds both, SP 
 those ranks is the whole gradient. The micro-batch plan is the data-parallel replica's, the same on its SP ranks.
 
 Heads: each rank takes heads/SP of the query heads and kv_heads/SP of the key/value heads (per TP rank: heads/TP),
-which keeps every query head with its grouped key/value head; counts SP does not divide are refused by name.
+which keeps every query head with its grouped key/value head; with fewer KV heads than SP ranks each KV head is
+replicated onto the ranks whose query heads use it (its gradient summed back), as verl does; counts SP neither
+divides nor is a multiple of are refused by name.
 """
 from __future__ import annotations
 
@@ -61,13 +63,18 @@ def init_sp(sp: int, mesh) -> SPCoords:
 
 
 def check_heads(config, tp: int, sp: int) -> None:
-    """ValueError naming policy.sp where the heads do not split (module doc)."""
+    """ValueError naming policy.sp where the heads do not split (module doc): SP must divide a TP rank's query heads,
+    and divide its key/value heads or be a multiple of them (then each KV head is replicated on the SP ranks whose
+    query heads use it, as verl does)."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if n % (tp * sp):
-            raise ValueError(f"policy.sp={sp}: {key}={n} is not divisible by policy.tp*sp={tp * sp} (each SP rank "
-                             "attends 1/(tp*sp) of the heads)")
+    if heads % (tp * sp):
+        raise ValueError(f"policy.sp={sp}: num_attention_heads={heads} is not divisible by policy.tp*sp={tp * sp} "
+                         "(each SP rank attends 1/(tp*sp) of the heads)")
+    local = kv // tp if kv % tp == 0 else kv
+    if local % sp and sp % local:
+        raise ValueError(f"policy.sp={sp}: num_key_value_heads={kv} per TP rank ({local}) neither divides nor is a "
+                         f"multiple of policy.sp={sp}")
 
 
 # --------------------------------------------------------------------------------------- the all-to-alls
@@ -117,8 +124,14 @@ def install(lm, layers, group, base: str) -> None:
         inner = ALL_ATTENTION_FUNCTIONS[module.megatron_rl_sp_base] if module.megatron_rl_sp_base != "eager" \
             else _eager_of(module)
         g = module.megatron_rl_sp_group
-        out, _ = inner(module, seq_to_heads(query, g), seq_to_heads(key, g), seq_to_heads(value, g), attention_mask,
-                       **kwargs)
+        sp = dist.get_world_size(g)
+        if key.shape[1] % sp:  # fewer KV heads than SP ranks: each rank gets a copy of its query heads' KV head
+            key, value = (x.repeat_interleave(sp // key.shape[1], dim=1) for x in (key, value))
+        q, k, v = (seq_to_heads(x, g) for x in (query, key, value))
+        if q.shape[1] != k.shape[1] * module.num_key_value_groups:  # replicated above: one KV head per query head
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+            module = _Grouped(module, 1)
+        out, _ = inner(module, q, k, v, attention_mask, **kwargs)
         return heads_to_seq(out, g), None
 
     AttentionInterface.register(IMPL, ulysses)
@@ -126,6 +139,16 @@ def install(lm, layers, group, base: str) -> None:
         layer.self_attn.megatron_rl_sp_group = group
         layer.self_attn.megatron_rl_sp_base = base
     lm.config._attn_implementation = IMPL
+
+
+class _Grouped:
+    """An attention module as the inner attention reads it, with another query-heads-per-KV-head count."""
+
+    def __init__(self, module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 def _eager_of(module):

@@ -5,7 +5,8 @@ The batch is `shared_prefix_bodies`' (GRPO groups with length-1 and uneven compl
 sequences claiming one group id with different prompts). Layouts: one masked varlen row per micro-batch with the
 groups' shared prompts (cascade as a block mask), the same split over several rows (a 40-token budget: uneven
 micro-batch counts, fillers), dense group rows (one row per unit, [b, s] with b > 1) and the tiny Llama's grouped
-key/value heads (4 query heads on 2); at world 4 also SP 2 x TP 2 and SP 2 x DP 2 (a 4-KV-head Llama).
+key/value heads (4 query heads on 2); at world 4 also SP 2 x TP 2 and SP 2 x DP 2 (a 4-KV-head Llama), and KV heads
+replicated where there are fewer than SP ranks (SP 4, and SP 2 x TP 2 on the 2-KV-head Llama).
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ LAYOUTS = {  # name -> (world size, model ("gqa": 4 query heads on 2 KV heads; "
     "sp2_dense": (2, "gqa", dict(sp=2, packing="none")),
     "sp2_tp2": (4, "mha", dict(sp=2, tp=2)),
     "sp2_dp2": (4, "mha", dict(sp=2, packing="none", budget=16)),  # rows of 2 x 16 tokens: a filler on one replica
+    # fewer KV heads than SP ranks: each replicated onto the ranks whose query heads use it
+    "sp4_gqa": (4, "gqa", dict(sp=4)),
+    "sp2_tp2_gqa": (4, "gqa", dict(sp=2, tp=2)),  # one KV head per TP rank, two SP ranks
 }
 
 

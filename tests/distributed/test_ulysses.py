@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism on the FSDP2 backend (policy.sp, policy/fsdp2_sp.py): at SP = 2, alone and with TP = 2
-or DP = 2 (several rows, with fillers), on one masked varlen row per micro-batch, on several and on dense group rows, one logprob
-pass and one training step give the logprobs, loss, gradient norm and updated weights of SP = 1 and of the unpacked
-HF + torch AdamW reference, in fp32 to 1e-5; one rank per SP group sends results and exports."""
+or DP = 2 (several rows, with fillers), at SP = 4 and SP 2 x TP 2 with KV heads replicated (fewer than SP ranks), on
+one masked varlen row per micro-batch, on several and on dense group rows, one logprob pass and one training step give
+the logprobs, loss, gradient norm and updated weights of SP = 1 and of the unpacked HF + torch AdamW reference, in fp32
+to 1e-5; one rank per SP group sends results and exports."""
 import pytest
 import torch
 
@@ -10,7 +11,7 @@ from megatron_rl.models.tiny import write_tiny_hf_model
 from tests.distributed.policy_bodies import close_lists
 from tests.distributed import sp_bodies
 
-TWO = [n for n, (size, _, _) in sp_bodies.LAYOUTS.items() if size == 2]
+TWO = [n for n, (size, _, _) in sp_bodies.LAYOUTS.items() if size == 2]  # the GQA model only
 FOUR = [n for n, (size, _, _) in sp_bodies.LAYOUTS.items() if size == 4]
 
 
@@ -28,10 +29,10 @@ def two(models):
 
 @pytest.fixture(scope="module")
 def four(models):
-    return run_distributed(sp_bodies.sp_vs_reference, 4, args=({"mha": models["mha"]}, FOUR), timeout=900)[0]
+    return run_distributed(sp_bodies.sp_vs_reference, 4, args=(models, FOUR), timeout=900)[0]
 
 
-@pytest.mark.parametrize("name", [n for n in sp_bodies.LAYOUTS if n.startswith("sp2")])
+@pytest.mark.parametrize("name", [n for n in sp_bodies.LAYOUTS if n != "sp1_dp2"])
 def test_sp_equals_reference(two, four, name):
     res = two if name in TWO else four
     r, ref = res[name], res[sp_bodies.LAYOUTS[name][1]]
@@ -44,7 +45,8 @@ def test_sp_equals_reference(two, four, name):
         torch.testing.assert_close(v, ref["ref_state"][k], atol=2e-6, rtol=1e-5, msg=lambda s: f"{name} {k}: {s}")
     coords = r["coords"]
     assert all(c["impl"] == "megatron_rl_ulysses" for c in coords)
-    assert sorted(c["sp_rank"] for c in coords) == sorted([0, 1] * (len(coords) // 2))
+    sp = sp_bodies.LAYOUTS[name][2]["sp"]
+    assert sorted(c["sp_rank"] for c in coords) == sorted(list(range(sp)) * (len(coords) // sp))
     assert r["senders"] == max(c["dp_rank"] for c in coords) + 1  # one sender per data-parallel replica
     if name == "sp2_split":
         assert all(len(c["rows"]) >= 2 for c in coords)

@@ -111,24 +111,28 @@ def test_local_row_takes_each_tokens_own_position():
     assert params.cu_seqlens_q.tolist() == [0, len(share.cols)] and params.per_token_positions
 
 
-def _model(tmp_path):
-    d = tmp_path / "model"
+def _model(tmp_path, name="model", heads=4, kv=2):
+    d = tmp_path / name
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(
-        {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128}))
+        {"num_attention_heads": heads, "num_key_value_heads": kv, "num_hidden_layers": 2, "intermediate_size": 128}))
     return d
 
 
 def _load(tmp_path, devices, *overrides):
     p = tmp_path / "c.yaml"
     p.write_text(f"policy: {{model: {_model(tmp_path)}}}\ncluster: {{devices_per_node: {devices}}}\n")
-    return load_config(p, list(overrides))
+    kv3 = _model(tmp_path, "kv3", heads=6, kv=3)  # 6 query heads on 3 KV heads
+    return load_config(p, [o.replace("policy.model=kv3", f"policy.model={kv3}") for o in overrides])
 
 
 def test_sp_takes_ranks(tmp_path):
     cfg = _load(tmp_path, 4, "policy.sp=2", "policy.backend=fsdp2")
     dims = layout_of(cfg).policy
     assert (dims.dp, dims.world_size) == (2, 4) and cfg.policy.packing == "none"  # any packing: Ulysses splits rows
+    # fewer KV heads per TP rank than SP ranks: replicated (2 KV heads on SP 4; 1 per TP rank on SP 2)
+    assert _load(tmp_path, 4, "policy.sp=4", "policy.backend=fsdp2").policy.sp == 4
+    assert _load(tmp_path, 4, "policy.sp=2", "policy.tp=2", "policy.backend=fsdp2").policy.sp == 2
 
 
 def test_cp_takes_ranks_and_packs_rows(tmp_path):
@@ -148,10 +152,10 @@ def test_cp_takes_ranks_and_packs_rows(tmp_path):
     (2, ["policy.cp=2", "policy.backend=fsdp2"], r"policy\.cp=2 runs on policy\.backend=megatron"),
     # Ulysses (policy.sp) on fsdp2: heads per rank, and what it does not combine with
     (2, ["policy.sp=2"], r"policy\.sp=2 \(Ulysses\) runs on policy\.backend=fsdp2"),
-    (4, ["policy.sp=4", "policy.backend=fsdp2"], r"policy\.sp=4: num_key_value_heads=2 is not divisible by "
-                                                 r"policy\.tp\*sp=4"),
-    (4, ["policy.sp=2", "policy.tp=2", "policy.backend=fsdp2"], r"num_key_value_heads=2 is not divisible by "
-                                                                r"policy\.tp\*sp=4"),
+    (8, ["policy.sp=8", "policy.backend=fsdp2"], r"policy\.sp=8: num_attention_heads=4 is not divisible by "
+                                                 r"policy\.tp\*sp=8"),
+    (6, ["policy.sp=2", "policy.backend=fsdp2", "policy.model=kv3"], r"policy\.sp=2: num_key_value_heads=3 per TP "
+                                                                     r"rank \(3\) neither divides nor is a multiple"),
     (2, ["policy.sp=2", "policy.backend=fsdp2", "policy.tp=2"], r"policy\.tp\*pp\*sp\*dp = 4 ranks do not fit"),
     (2, ["policy.sp=0", "policy.backend=fsdp2"], r"policy\.sp must be >= 1, got 0"),
 ])
