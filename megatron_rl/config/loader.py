@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.moe_rules import routing_replay_enabled
-from megatron_rl.config.sequence_rules import validate_sequence_split
+from megatron_rl.config.sequence_rules import check_sequence_heads, validate_sequence_split
 from megatron_rl.config.schema import Config
 from megatron_rl.platform import get_platform
 from megatron_rl.distributed.parallel_dims import check_engine_split, check_expert_split, check_policy_split, layout_of
@@ -439,13 +439,7 @@ def validate_against_model(cfg: Config) -> None:
     try:
         check_policy_split(tp=cfg.policy.tp, pp=cfg.policy.pp, heads=heads, kv_heads=kv,
                            layers=hf.get("num_hidden_layers"), ffn=hf.get("intermediate_size"))
-        if cfg.policy.sp > 1:  # Ulysses: each SP rank attends heads / (tp * sp) (policy/fsdp2_sp.py)
-            from types import SimpleNamespace
-
-            from megatron_rl.policy.fsdp2_sp import check_heads
-
-            check_heads(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv), cfg.policy.tp,
-                        cfg.policy.sp)
+        check_sequence_heads(cfg, heads, kv)  # config/sequence_rules.py: Ulysses' heads per SP rank
         check_engine_split(tp=cfg.generation.tp, heads=heads, kv_heads=kv)
     except ValueError as e:
         raise ConfigError(f"{e} of {cfg_file}") from None

@@ -72,12 +72,8 @@ class PolicyConfig:
     tp: int = 1
     pp: int = 1
     dp: Optional[int] = None  # default: world size / (tp * pp * cp)
-    # context parallelism: each packed row split over cp ranks (2*cp zig-zag chunks per sequence, K/V all-gathered
-    # per layer; policy/context_parallel.py). Needs packed rows: packing auto becomes varlen. Adds ranks like tp
-    cp: int = 1
-    # Ulysses sequence parallelism on policy.backend=fsdp2: each row split over sp ranks, all-to-all from sequence-
-    # to head-sharded around attention (policy/fsdp2_sp.py); sp divides the heads per TP rank. Adds ranks like tp
-    sp: int = 1
+    cp: int = 1  # context parallelism (megatron): rows split over cp ranks, adding ranks (docs/long_context.md)
+    sp: int = 1  # Ulysses sequence parallelism (fsdp2): rows split over sp ranks, adding ranks (the same doc)
     # expert parallelism (MoE models): each expert lives on one of ep ranks. As in megatron-core, the EP ranks are
     # taken out of the data-parallel ones (ep divides dp; experts' gradients average over dp / ep replicas), so ep
     # does not change the world size tp * pp * dp

@@ -37,3 +37,13 @@ def _refuse_unsplit(cfg: Config, key: str, n: int) -> None:
     if d is not None and getattr(d, "topk", 0):
         raise ValueError(f"distillation.topk={d.topk} with {key}={n}: top-k distillation does not run on split "
                          f"rows; use distillation.topk=0 (the sampled-token loss) or {key}=1")
+
+
+def check_sequence_heads(cfg: Config, heads: int, kv: int) -> None:
+    """Ulysses (policy.sp > 1): the model's heads split over TP x SP ranks (policy/fsdp2_sp.check_heads)."""
+    if cfg.policy.sp > 1:
+        from types import SimpleNamespace
+
+        from megatron_rl.policy.fsdp2_sp import check_heads
+
+        check_heads(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv), cfg.policy.tp, cfg.policy.sp)

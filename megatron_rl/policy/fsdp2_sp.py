@@ -115,8 +115,10 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, t // sp, sp * hl, d)
 
 
-def install(lm, layers, group, base: str) -> None:
-    """Make `lm`'s attention Ulysses attention around its `base` implementation ("sdpa" or "eager")."""
+def install(lm, layers, group, base: str, tp: int) -> None:
+    """Make `lm`'s attention Ulysses attention around its `base` implementation ("sdpa" or "eager"), or ValueError
+    naming policy.sp where its heads do not split."""
+    check_heads(lm.config, tp, dist.get_world_size(group))
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -30,10 +30,9 @@ Differences that are the backend's:
 - Optimizer: torch AdamW over the DTensor shards with megatron's parameter groups (no weight decay on biases and
   1-D weights), the global gradient norm over DTensors, clipping as megatron clips.
 - Checkpoints: torch.distributed.checkpoint in megatron-rl's checkpoint directory format (`fsdp2_checkpoint.py`).
-- Distillation (the teacher is megatron's, policy/teacher_worker.py): the sampled-token mode needs nothing here (the
-  teacher's logprobs are a batch field the loss reads); top-k (`distillation.topk` > 0) has the root's forward also
-  return the student's logprobs at the teacher's ids (`topk.logprobs_at` on the same hidden states or logits, over
-  the mesh's TP group), while the lm_head is unsharded.
+- Distillation: the sampled-token mode is a batch field; top-k has the root's forward also return the student's
+  logprobs at the teacher's ids (`topk.logprobs_at`, over the TP group) while the lm_head is unsharded.
+- Ulysses sequence parallelism (`policy.sp`): each row over SP ranks, all-to-all around attention (`fsdp2_sp.py`).
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
 from megatron_rl.policy.router_aux import RouterLogits, aux_loss
 from megatron_rl.policy.routing_replay import HFRoutingReplay, attach
-from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
+from megatron_rl.policy.step_inputs import StepFields, once_per_group, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
 ROOT = FSDP2_PREFIX  # the HF model is `_Scorer.lm`: parameter names minus this prefix are the HF names
@@ -180,8 +179,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             # which keeps the parameter names: a wrapper module would rename every tensor the export and DCP write)
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.sp.size > 1:  # attention over the whole row for 1/SP of the heads (policy/fsdp2_sp.py)
-            fsdp2_sp.check_heads(lm.config, self.tp_size, self.sp.size)
-            fsdp2_sp.install(lm, decoder_layers(lm), self.sp.group, "eager" if capped else "sdpa")
+            fsdp2_sp.install(lm, decoder_layers(lm), self.sp.group, "eager" if capped else "sdpa", self.tp_size)
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) \
             if self.dtype != torch.float32 else MixedPrecisionPolicy()
         tp_group = None
@@ -260,9 +258,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         batching.check_batch(batch, self.vocab_size, self.max_positions)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        plan = packing.plan_split_rows(batch, shared=self.cfg.shared_prefix, varlen=self.varlen,  # per-rank budget
+        plan = packing.plan_split_rows(batch, shared=self.cfg.shared_prefix, varlen=self.varlen, multiple=1,
                                        max_tokens=self.cfg.max_tokens_per_microbatch, ranks=self.sp.size,
-                                       key="policy.sp", dp_size=self.dp_size, dp_rank=self.dp_rank, multiple=1,
+                                       key="policy.sp", dp_size=self.dp_size, dp_rank=self.dp_rank,
                                        equal_counts=self.dp_size > 1)
         mbs = [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
         return attach(batch, mbs, self._replay)
@@ -364,9 +362,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             else:
                 loss.backward()
             reduced.append(reduced_metrics(loss, metrics, mb))
-        if self.sp.rank:  # an SP group's ranks compute the same metrics from the whole rows: count them once
-            reduced = [{k: v * 0 for k, v in d.items()} for d in reduced]
-        metrics = sum_metrics(reduced, self.dp_group if dist.get_world_size(self.dp_group) > 1 else None)
+        group = self.dp_group if dist.get_world_size(self.dp_group) > 1 else None  # SP ranks included
+        metrics = sum_metrics(once_per_group(reduced, self.sp.rank), group)
         lr = float(self.optimizer.param_groups[0]["lr"])  # what this step trains at (the step ticks the scheduler)
         skipped, grad_norm = self._optimizer_step()
         self.consumed_samples += len(batch)

@@ -41,7 +41,7 @@ from megatron_rl.policy.grad_ops import (build_scheduler, clip_to_total_norm, mo
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.models.lora import adapters_disabled, install_lora
 from megatron_rl.policy.residency import Residency
-from megatron_rl.policy.step_inputs import StepFields, reduced_metrics, sum_metrics
+from megatron_rl.policy.step_inputs import StepFields, once_per_group, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
 
@@ -195,10 +195,8 @@ class MegatronPolicyWorker(ForwardPass, WeightsOut, Residency, RankWorker):
     def _sum_metrics(self, reduced_list) -> dict[str, float]:
         from megatron.core import parallel_state as ps
 
-        if self.cp.rank:  # a CP group's ranks compute the same metrics from the whole row: count them once
-            reduced_list = [{k: v * 0 for k, v in d.items()} for d in reduced_list]
         reduce = ps.is_pipeline_last_stage() and ps.get_data_parallel_world_size() > 1  # CP ranks included
-        return sum_metrics(reduced_list, ps.get_data_parallel_group() if reduce else None)
+        return sum_metrics(once_per_group(reduced_list, self.cp.rank), ps.get_data_parallel_group() if reduce else None)
 
     def _optimizer_step(self) -> tuple[bool, float]:
         """Clip and step, unless the gradient is non-finite anywhere (the norm is global, so all ranks agree)."""

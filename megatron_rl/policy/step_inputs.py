@@ -87,6 +87,11 @@ def reduced_metrics(loss: torch.Tensor, metrics: dict, mb: batching.MicroBatchRo
     return out
 
 
+def once_per_group(reduced_list, rank: int):
+    """A CP or SP group's ranks compute the same metrics from the whole rows: rank 0's count, the others' are 0."""
+    return [{k: v * 0 for k, v in d.items()} for d in reduced_list] if rank else reduced_list
+
+
 def sum_metrics(reduced_list, dp_group=None) -> dict[str, float]:
     """Metrics are already globally normalised per micro-batch: sum them, then over the DP replicas of `dp_group`
     (None: this rank holds them all). Every DP rank must agree on the key set; a loss function returns a fixed set."""
