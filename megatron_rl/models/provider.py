@@ -260,7 +260,10 @@ def shape_spec(hf_config: Any, tp: int = 1) -> ModelSpec:
         return model_spec(hf_config, tp)
     except UnsupportedModelError:
         pass
+    from megatron_rl.models.vlm import text_config
+
     cfg, label = load_hf_config(hf_config)
+    cfg = text_config(cfg)  # a vision-language model: its language model's shape (models/vlm.py)
     try:
         heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
         archs = cfg.get("architectures") or ["?"]

@@ -53,6 +53,10 @@ class RolloutBatch:
     # tokens, the last sampled token, observations): the trainer routes those itself. None: it routes every token.
     # A model input over the whole sequence, not a loss field, hence not in `fields`.
     routed_experts: Optional[list[torch.Tensor]] = None
+    # More per-sequence model inputs, keyed by the model's argument name: a vision-language prompt's processor
+    # outputs (`pixel_values` of its images, `image_grid_thw`, ...), None for a sequence without them. The worker hands
+    # them to the model's forward with the sequence's tokens; like `fields`, a new one needs no edit here
+    model_inputs: dict[str, list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -69,7 +73,8 @@ class RolloutBatch:
                             teacher_topk_ids=pick(self.teacher_topk_ids),
                             teacher_topk_logprobs=pick(self.teacher_topk_logprobs),
                             fields={k: pick(v) for k, v in self.fields.items()},
-                            routed_experts=pick(self.routed_experts))
+                            routed_experts=pick(self.routed_experts),
+                            model_inputs={k: pick(v) for k, v in self.model_inputs.items()})
 
     def loss_normalizers(self) -> tuple[int, int]:
         """(response tokens, sequences) the loss divides by."""

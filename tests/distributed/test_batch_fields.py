@@ -71,9 +71,12 @@ def test_a_loss_reading_batch_fields_equals_the_reference(results, layout):
 def test_fields_follow_subset_and_bad_lengths_are_named():
     from megatron_rl.policy.step_inputs import StepFields
 
-    b = RolloutBatch([[1, 2, 3], [4, 5, 6, 7]], [1, 2], fields={"w": [0.5, 2.0], "t": [torch.ones(2), torch.zeros(2)]})
+    b = RolloutBatch([[1, 2, 3], [4, 5, 6, 7]], [1, 2], fields={"w": [0.5, 2.0], "t": [torch.ones(2), torch.zeros(2)]},
+                     model_inputs={"pixel_values": [None, torch.full((1, 3, 2, 2), 7.0)]})
     sub = b.subset([1])
     assert sub.fields["w"] == [2.0] and torch.equal(sub.fields["t"][0], torch.zeros(2))
+    assert torch.equal(sub.model_inputs["pixel_values"][0], torch.full((1, 3, 2, 2), 7.0))  # model inputs as well
+    assert b.subset([0]).model_inputs == {"pixel_values": [None]}
     bad = RolloutBatch([[1, 2, 3]], [1], fields={"t": [torch.ones(3)]})
     with pytest.raises(ValueError, match=r"fields\['t'\]\[0\] has 3 values for 2 response tokens"):
         StepFields(bad)

@@ -1,0 +1,40 @@
+"""Vision-language models: how a model folder is recognised as one, and what of it the text-side checks read.
+
+A VLM's config nests its language model's config (`text_config`) beside its vision tower's (`vision_config`): Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, LLaVA, Idefics3 / SmolVLM, Gemma-3, Mistral-3. transformers builds it with
+`AutoModelForImageTextToText` and its inputs with `AutoProcessor`; vLLM serves the same classes with images.
+
+Only `policy.backend: fsdp2` can train one (it runs transformers' model as it is); the megatron backend builds text
+decoders from its mapping (models/mapping.py) and refuses a VLM in one line (`check_backend`), since megatron-core's
+multimodal models are another model class with their own checkpoint layout.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class BackendError(ValueError):
+    """A model the configured policy.backend cannot train; the message names both keys."""
+
+
+def is_vision_language(hf_config: dict[str, Any]) -> bool:
+    """True for a config (as a dict) with a vision tower and a nested language model."""
+    return isinstance(hf_config.get("vision_config"), dict) and isinstance(hf_config.get("text_config"), dict)
+
+
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config of a VLM (the top-level keys its text_config lacks, such as
+    `tie_word_embeddings` or `architectures`, filled in from the top); a text model's config as it is."""
+    if not is_vision_language(hf_config):
+        return hf_config
+    return {**{k: v for k, v in hf_config.items() if k not in ("text_config", "vision_config")},
+            **hf_config["text_config"]}
+
+
+def check_backend(hf_config: dict[str, Any], backend: str, model: str) -> None:
+    """BackendError naming policy.backend when a VLM is to be trained by a backend that cannot."""
+    if backend != "fsdp2" and is_vision_language(hf_config):
+        arch = (hf_config.get("architectures") or [hf_config.get("model_type")])[0]
+        raise BackendError(f"policy.model={model} is a vision-language model ({arch}): policy.backend={backend} "
+                         "trains text decoders only; set policy.backend=fsdp2, which trains it as transformers "
+                         "builds it")
