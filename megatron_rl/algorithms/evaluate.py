@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_rl.generation.interface import engine_prompt
+
 
 def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: float, top_p: float, max_tokens: int,
              version: int | None = None, seed: int = 0, keep: int = 0, env_pool=None, cfg=None,
@@ -32,7 +34,7 @@ def evaluate(generator, items, reward_fn, tokenizer, *, n: int, temperature: flo
     kw = dict(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens, seed=seed)
     if version is not None:
         kw["expected_version"] = version
-    res = generator.generate([it.prompt_ids for it in items], **kw)
+    res = generator.generate([engine_prompt(it) for it in items], **kw)
     texts = [tokenizer.decode(t) for t in res.token_ids]
     rewards, stats = reward_fn.score([items[i] for i in res.prompt_indices], texts, token_ids=res.token_ids)
     correct = [r >= 1.0 for r in rewards]

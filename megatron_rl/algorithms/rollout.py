@@ -12,6 +12,7 @@ import torch
 from megatron_rl.algorithms.advantages import Sample, dynamic_sample, group_advantages, sanitize_rewards
 from megatron_rl.algorithms.routing_records import recorded_fraction, sample_records
 from megatron_rl.config.schema import Config
+from megatron_rl.generation.interface import engine_prompt
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.rewards.shaping import overlong_penalty
 
@@ -35,7 +36,7 @@ def sample_groups(cfg: Config, generator, stream, reward_fn, tokenizer, version:
 
     def draw(n: int):
         items = stream.next_batch(n)
-        res = generator.generate([it.prompt_ids for it in items], n=G, temperature=g.temperature, top_p=g.top_p,
+        res = generator.generate([engine_prompt(it) for it in items], n=G, temperature=g.temperature, top_p=g.top_p,
                                  top_k=g.top_k, max_tokens=g.max_new_tokens, stop=g.stop or None,
                                  expected_version=version)
         rewards, texts, answers = score_samples(cfg, reward_fn, tokenizer, [items[i] for i in res.prompt_indices],
@@ -89,6 +90,7 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     # no group kept (dynamic sampling dropped all): nothing to normalise
     adv, num_bad = group_advantages(groups.rewards, cfg.grpo.advantage) if len(groups.payloads) else (None, 0)
     ids, plens, advs, gen_lps, gids, texts, masks, rews, routing = [], [], [], [], [], [], [], [], []
+    vision: list[dict | None] = []  # each sequence's image inputs (a vision-language prompt's), else None
     clean = sanitize_rewards(groups.rewards)[0] if len(groups.payloads) else None
     for gi, (item, samples) in enumerate(groups.payloads):
         for j, sample in enumerate(samples):
@@ -113,10 +115,13 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
             texts.append(text)
             masks.append(loss_mask)
             routing.append(route)
+            vision.append(getattr(item, "model_inputs", None))
     multiturn = any(m is not None for m in masks)
     batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids,
                          loss_mask=[m if m is not None else torch.ones(len(i) - p, dtype=torch.bool)
                                     for m, i, p in zip(masks, ids, plens)] if multiturn else None)
+    for key in sorted({k for v in vision if v for k in v}):  # the trainer's model inputs (policy/vision_inputs.py)
+        batch.model_inputs[key] = [v.get(key) if v else None for v in vision]
     if routing and all(r is not None for r in routing):  # the trainer replays the engine's experts
         batch.routed_experts = routing
         stats["routing_recorded_frac"] = recorded_fraction(routing)

@@ -42,11 +42,12 @@ def check_generation_platform(cfg: Config) -> None:
 
 def _model_spec(cfg: Config, model_dir: Path):
     from megatron_rl.models.provider import UnsupportedModelError, load_hf_config, model_spec, shape_spec
-    from megatron_rl.models.vlm import BackendError, check_backend
+    from megatron_rl.models.vlm import BackendError, check_backend, check_policy
 
     try:
         raw, label = load_hf_config(model_dir)
         check_backend(raw, cfg.policy.backend, cfg.policy.model)  # a VLM: fsdp2 only, said in one line
+        check_policy(raw, packing=cfg.policy.packing, tp=cfg.policy.tp, sp=cfg.policy.sp)
         # the megatron backend builds the model from the spec, so it must represent the family; fsdp2 runs
         # transformers' own model and needs only its shape
         return (shape_spec(model_dir) if cfg.policy.backend == "fsdp2" else model_spec(model_dir)), label

@@ -335,6 +335,9 @@ class DataConfig:
     # prompt_template are then NOT added. The answer is a string or a number
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
+    # a vision-language policy.model (data.source hf): the field holding each record's images (verl's layout, with
+    # `<image>` markers in the prompt), or none when the prompt's messages carry image parts (data/images.py)
+    image_key: str = "images"
     prompt_template: str = "{problem}"
     system_prompt: Optional[str] = None
     few_shot: list[dict[str, str]] = field(default_factory=list)  # [{"user": ..., "assistant": ...}]

@@ -41,6 +41,11 @@ class PromptItem:
     meta: dict[str, Any] = field(default_factory=dict)
     source: str = ""  # "reasoning_gym:<task>", "jsonl:<path>" or "hf:<path>"
     problem: Any = None  # the question as the dataset gave it (text, or messages): what an environment's reset reads
+    # a vision-language prompt (data/vision_prompts.py): the engine's ids (one placeholder per image), its images,
+    # and the processor's pixel tensors for the trainer; None for a text prompt
+    engine_ids: Optional[list[int]] = None
+    images: Optional[list] = None
+    model_inputs: Optional[dict[str, Any]] = None
 
 
 class PromptDataset:
@@ -53,6 +58,7 @@ class PromptDataset:
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.vision = None  # a vision-language model's processor (data/vision_prompts.py), set by datasets with images
         self._too_long: set[int] = set()
 
     def __len__(self) -> int:
@@ -66,15 +72,20 @@ class PromptDataset:
         if not 0 <= idx < len(self):
             raise IndexError(f"index {idx} out of range for a dataset of {len(self)}")
         problem, answer, meta = self.raw(idx)
+        vision = {}
         if isinstance(problem, str):
             ids, text = build_prompt(problem, self.cfg, self.tokenizer)
-        else:
+        elif isinstance(problem, list):
             ids, text = build_prompt_from_messages(problem, self.cfg, self.tokenizer)
-        if len(ids) > self.cfg.max_prompt_tokens:
+        else:  # a VisionProblem: the processor's prompt (data/vision_prompts.py)
+            ids, text, engine_ids, inputs = self.vision.prompt(problem)
+            vision = dict(engine_ids=engine_ids, images=problem.images or None, model_inputs=inputs or None)
+            problem = problem.messages
+        if len(ids) > self.cfg.max_prompt_tokens:  # image tokens included
             self._too_long.add(idx)
             return None
         return PromptItem(prompt_ids=ids, prompt_text=text, answer=answer, meta=meta, source=self.source,
-                          problem=problem)
+                          problem=problem, **vision)
 
     @property
     def num_too_long(self) -> int:

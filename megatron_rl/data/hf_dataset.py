@@ -112,15 +112,41 @@ def parse_answer(value: Any, key: str) -> str:
     return value.strip()
 
 
-def parse_record(record: dict[str, Any], prompt_key: str, answer_key: str) -> tuple[Problem, str]:
-    """(prompt, answer) of one record; DataError with the reason (missing, null, wrong type, empty) otherwise."""
+def parse_record(record: dict[str, Any], prompt_key: str, answer_key: str,
+                 image_key: Optional[str] = None, base: Optional[Path] = None) -> tuple[Problem, str]:
+    """(prompt, answer) of one record; DataError with the reason (missing, null, wrong type, empty) otherwise. With
+    `image_key` (a vision-language model's data) the prompt is a `VisionProblem`: its messages as content parts and
+    its images, each decoded (data/images.py; relative paths from `base`)."""
     out = []
-    for key, parse in ((prompt_key, parse_prompt), (answer_key, parse_answer)):
+    for key, parse in ((prompt_key, parse_vision_prompt if image_key else parse_prompt), (answer_key, parse_answer)):
         value, why = lookup(record, key)
         if value is _MISSING or value is None:
             raise DataError(f"field '{key}' missing{why or (' (null)' if value is None else '')}")
         out.append(parse(value, key))
+    if image_key:
+        from megatron_rl.data.images import vision_prompt
+        from megatron_rl.data.vision_prompts import VisionProblem
+
+        column, _ = lookup(record, image_key)
+        messages, images = vision_prompt(out[0], None if column is _MISSING else column, prompt_key, image_key, base)
+        out[0] = VisionProblem(messages, images)
     return out[0], out[1]
+
+
+def parse_vision_prompt(value: Any, key: str) -> list[dict]:
+    """A vision prompt's messages as they stand (a string: one user message); data/images.py checks the parts."""
+    if isinstance(value, str):
+        parse_prompt(value, key)  # its emptiness check
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"field '{key}' must be a string or a non-empty chat list, got {type(value).__name__}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(f"field '{key}[{i}]' must be a message {{role: system|user|assistant, content}}")
+    if value[-1]["role"] != "user":
+        raise DataError(f"field '{key}': a chat list must end with a user message (the one the model answers), not "
+                        f"a {value[-1]['role']} one")
+    return value
 
 
 def _datasets():
@@ -188,6 +214,11 @@ class HFDataset(PromptDataset):
         self.path = Path(path)
         self.source = f"hf:{self.path}"
         self._parts = open_parts(self.path)
+        # a vision-language model (its processor beside the tokenizer): prompts with images (data/images.py)
+        from megatron_rl.data.vision_prompts import VisionProcessor, has_processor
+
+        self.vision = VisionProcessor(tokenizer.name_or_path) if has_processor(tokenizer.name_or_path) else None
+        self._image_key = cfg.image_key if self.vision is not None else None
         # (part, row) of each usable record, in file order; arrays: 8 bytes a record, not a tuple's ~100
         self._part_of, self._row_of = array("i"), array("q")
         self.num_malformed = 0
@@ -206,11 +237,15 @@ class HFDataset(PromptDataset):
                 raise DataError(f"{label}: no field for data.{name}={key!r}; its records have: {', '.join(columns)}")
             if col not in needed:
                 needed.append(col)
+        images = top_field(self._image_key, columns) if self._image_key else None
+        if images is not None and images not in needed:
+            needed.append(images)
         row = 0
         for batch in ds.select_columns(needed).iter(batch_size=_SCAN_BATCH):
             for values in zip(*(batch[c] for c in needed)):
-                try:
-                    parse_record(dict(zip(needed, values)), cfg.prompt_key, cfg.answer_key)
+                try:  # a vision record's images are decoded here too: a bad one is named before anything starts
+                    parse_record(dict(zip(needed, values)), cfg.prompt_key, cfg.answer_key, self._image_key,
+                                 self._base(label))
                 except DataError as e:
                     if not cfg.skip_malformed:
                         raise DataError(f"{label}: row {row}: {e} (set data.skip_malformed=true to skip such "
@@ -222,6 +257,11 @@ class HFDataset(PromptDataset):
                         self._row_of.append(row)
                 row += 1
 
+    def _base(self, label: str) -> Path:
+        """Where a record's relative image paths start: its file's folder (a save_to_disk folder: that folder)."""
+        p = Path(label)
+        return p if p.is_dir() else p.parent
+
     def __len__(self) -> int:
         return len(self._row_of)
 
@@ -229,9 +269,11 @@ class HFDataset(PromptDataset):
         part, row = self._part_of[idx], self._row_of[idx]
         label, ds = self._parts[part]
         record = ds[row]
-        problem, answer = parse_record(record, self.cfg.prompt_key, self.cfg.answer_key)
-        # the prompt and a top-level answer field are the item's own; everything else travels in meta
-        meta = {k: v for k, v in record.items() if k not in (self.cfg.prompt_key, self.cfg.answer_key)}
+        problem, answer = parse_record(record, self.cfg.prompt_key, self.cfg.answer_key, self._image_key,
+                                       self._base(label))
+        # the prompt, a top-level answer field and the images are the item's own; everything else travels in meta
+        meta = {k: v for k, v in record.items() if k not in (self.cfg.prompt_key, self.cfg.answer_key,
+                                                             self._image_key)}
         meta.update(file=label, row=row)
         return problem, answer, meta
 

@@ -20,6 +20,26 @@ class StaleWeightsError(RuntimeError):
 
 
 @dataclass
+class ImagePrompt:
+    """A prompt with images, as an engine takes it (data/vision_prompts.py): the ids with one placeholder per image,
+    which the engine's processor expands, and the images (PIL). Anywhere a prompt is a list of ids, it may be this;
+    its length is the expanded prompt's (what an engine holds of it)."""
+    token_ids: list[int]
+    images: list
+    expanded_len: int = 0
+
+    def __len__(self) -> int:
+        return self.expanded_len or len(self.token_ids)
+
+
+def engine_prompt(item) -> "list[int] | ImagePrompt":
+    """What an engine is given for a dataset's PromptItem: its ids, or an ImagePrompt when it has images."""
+    if getattr(item, "images", None):
+        return ImagePrompt(list(item.engine_ids), list(item.images), len(item.prompt_ids))
+    return item.prompt_ids
+
+
+@dataclass
 class GenerationResult:
     """Samples flattened prompt-major: sample j of prompt i is at index i * n + j.
 

@@ -27,6 +27,7 @@ import torch
 from megatron_rl.config.schema import GenerationConfig
 from megatron_rl.generation.interface import FINISH_REASONS, Bucket, GenerationResult, Generator, StaleWeightsError
 from megatron_rl.generation.requests import RequestQueue
+from megatron_rl.generation.vllm_prompts import check_expansion, vllm_prompt
 from megatron_rl.lifecycle import ASLEEP, AWAKE, WEIGHTS_ONLY, LifecycleError
 from megatron_rl.platform import get_platform
 from megatron_rl.weights.fingerprint import check_refit, sent_fingerprints
@@ -193,7 +194,7 @@ class VLLMGenerator(Generator):
             max_tokens=max_tokens, stop=list(stop) if stop else None, seed=seed, logprobs=0,
             detokenize=bool(stop),  # text is only needed to match stop strings; token ids are what we return
         )
-        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        prompts = [vllm_prompt(p) for p in prompt_token_ids]
         t0 = time.perf_counter()
         with self._generation_threads():
             outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
@@ -201,6 +202,7 @@ class VLLMGenerator(Generator):
 
         token_ids, logprobs, reasons, prompt_idx = [], [], [], []
         for i, out in enumerate(outputs):
+            check_expansion(prompt_token_ids[i], out.prompt_token_ids, i)
             samples = sorted(out.outputs, key=lambda c: c.index)
             if len(samples) != n:
                 raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
@@ -299,8 +301,16 @@ class VLLMGenerator(Generator):
         stats = self._adapter.load(update, version)
         if not self._asleep:  # cached blocks belong to the old adapter's id: unreachable now, free them
             self._llm.reset_prefix_cache()
+        self._forget_images()
         self._version = version
         return {**stats, "refit_s": time.perf_counter() - t0}
+
+    def _forget_images(self) -> None:
+        """A vision-language engine keeps the vision tower's outputs of earlier images for reuse (vLLM's encoder
+        cache, keyed by the image): computed by the old weights, they must go after a refit, or the next prompts with
+        those images read stale features (tests/integration/test_vlm_generation.py)."""
+        if self._llm.llm_engine.model_config.is_multimodal_model:
+            self._llm.llm_engine.reset_encoder_cache()
 
     def device_ids(self) -> list[str]:
         """The device identity of each of this engine's workers, in worker rank order (platform.device_identity)."""
@@ -362,6 +372,7 @@ class VLLMGenerator(Generator):
         # it fell asleep, and its scheduler is paused: nothing to reset then); running requests: requests.py
         if not self._asleep:
             self._requests.after_refit()
+        self._forget_images()
         stats = {k: max(w[k] for w in per_worker) for k in per_worker[0]}
         stats.update(receive_s=time.perf_counter() - t0, **verify_s)
         return stats

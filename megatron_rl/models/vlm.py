@@ -38,3 +38,17 @@ def check_backend(hf_config: dict[str, Any], backend: str, model: str) -> None:
         raise BackendError(f"policy.model={model} is a vision-language model ({arch}): policy.backend={backend} "
                          "trains text decoders only; set policy.backend=fsdp2, which trains it as transformers "
                          "builds it")
+
+
+def check_policy(hf_config: dict[str, Any], *, packing: str, tp: int, sp: int) -> None:
+    """BackendError naming the key when a VLM is given a layout its rows cannot take: each row is one sequence with
+    its own images and positions (policy/vision_inputs.py), so no packing (policy.shared_prefix, on by default, is
+    not applied: the same loss, each sequence in a row of its own); tensor and sequence parallelism would split the
+    vision tower's inputs, which nothing does yet."""
+    if not is_vision_language(hf_config):
+        return
+    for key, value, bad in (("policy.packing", packing, packing == "varlen"), ("policy.tp", tp, tp > 1),
+                            ("policy.sp", sp, sp > 1)):
+        if bad:
+            raise BackendError(f"{key}={value}: a vision-language model trains one sequence a row with its images "
+                               "(policy.packing none or auto, policy.tp 1, policy.sp 1)")

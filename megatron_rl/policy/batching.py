@@ -104,6 +104,8 @@ class MicroBatchRows:
     # context parallelism: this rank's share of the row (policy/context_parallel.RowShare), set on the view the
     # forward hands the loss; None otherwise
     cp: object = None
+    # a vision-language model's image inputs for these rows, by the forward's argument name (policy/vision_inputs.py)
+    model_inputs: dict | None = None
 
     @property
     def filler(self) -> bool:

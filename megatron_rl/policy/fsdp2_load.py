@@ -39,20 +39,29 @@ def stored_dtype(model_dir) -> torch.dtype:
     return _SAFETENSORS_DTYPES[seen.pop()] if len(seen) == 1 else torch.float32
 
 
+def auto_class(model_dir):
+    """transformers' class for the folder: a causal LM, or a vision-language model's image-text-to-text class."""
+    import transformers
+
+    from megatron_rl.models.vlm import is_vision_language
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return transformers.AutoModelForImageTextToText if is_vision_language(config) else \
+        transformers.AutoModelForCausalLM
+
+
 def skeleton(model_dir, **kw) -> nn.Module:
-    """The causal LM with every parameter and buffer on `meta`, fp32 (the master dtype) in its metadata."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model with every parameter and buffer on `meta`, fp32 (the master dtype) in its metadata."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kw)
+        return auto_class(model_dir).from_config(config, dtype=torch.float32, **kw)
 
 
 def _host_copy(model_dir, **kw) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
     with torch.random.fork_rng(devices=[]):  # rank 0 alone loads: every rank's generator stays where it was
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored_dtype(model_dir), **kw)
+        lm = auto_class(model_dir).from_pretrained(model_dir, dtype=stored_dtype(model_dir), **kw)
     return dict(chain(lm.named_parameters(), lm.named_buffers()))
 
 

@@ -37,7 +37,6 @@ Differences that are the backend's:
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -50,10 +49,12 @@ from megatron_rl.distributed.worker_group import RankWorker
 from megatron_rl.models.checkpoint import FSDP2_PREFIX
 from megatron_rl.models.hf_layers import decoder_layers
 from megatron_rl.models.hf_masks import hf_attention_mask, layer_mask_kinds
+from megatron_rl.models.vlm import is_vision_language
 from megatron_rl.platform import get_platform
-from megatron_rl.policy import batching, fsdp2_load, fsdp2_lora, fsdp2_sp, packing
+from megatron_rl.policy import batching, fsdp2_load, fsdp2_lora, fsdp2_sp, packing, vision_inputs
 from megatron_rl.policy.forward_pass import join_process_group
-from megatron_rl.policy.fsdp2_tp import check_tp, copy_to_tp, grad_norm, parallelize, vocab_slice
+from megatron_rl.policy.fsdp2_scorer import Scorer
+from megatron_rl.policy.fsdp2_tp import check_tp, grad_norm, parallelize
 from megatron_rl.policy.grad_ops import build_scheduler, restore_scheduler, scheduler_state
 from megatron_rl.policy.interface import RolloutBatch
 from megatron_rl.policy.residency import Residency
@@ -62,65 +63,7 @@ from megatron_rl.policy.routing_replay import HFRoutingReplay, attach
 from megatron_rl.policy.step_inputs import StepFields, once_per_group, reduced_metrics, sum_metrics
 from megatron_rl.policy.weights_out import WeightsOut
 
-ROOT = FSDP2_PREFIX  # the HF model is `_Scorer.lm`: parameter names minus this prefix are the HF names
-
-
-class _Scorer(nn.Module):
-    """The HF causal LM, scoring tokens: decoder -> final hidden states of the response window -> (logprobs,
-    entropy) by the project's kernels. The FSDP root, so that the lm_head is unsharded while the kernel runs."""
-
-    def __init__(self, lm: nn.Module, fused: bool, tp_group=None, score: nn.Linear | None = None):
-        super().__init__()
-        self.lm = lm
-        self.fused = fused
-        self.tp_group = tp_group  # policy.tp > 1: the lm_head holds a vocab slice (policy/fsdp2_tp.py)
-        if score is not None:  # a value model (policy.value_head): HF's name, `score.weight`, beside `lm.`
-            self.score = score
-
-    def forward(self, tokens, positions, window, targets, temperature, attention_mask=None, topk=None):
-        """(logprobs, entropy) of the window's targets; with `topk` = (resp_mask [b, w], ids [n, k]), top-k
-        distillation's, also the student's differentiable logprobs [n, k] at those ids of the n response positions:
-        here, while the lm_head is unsharded, from the same hidden states or logits as the sampled token's."""
-        from kernels import linear_token_logprobs, token_logprobs_and_entropy
-
-        from megatron_rl.policy.sampling_filter import as_scoring, filter_logprobs
-
-        scoring = as_scoring(temperature)  # a float, or the engine's top-k / top-p too (ForwardPass._token_stats)
-        temperature = scoring.temperature
-        out = self.lm.get_decoder()(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
-                                    use_cache=False)
-        hidden = out.last_hidden_state[:, window:] if isinstance(window, int) else out.last_hidden_state[:, window]
-        if hasattr(self, "score"):  # a value model's values stand where logprobs do (megatron's ForwardPass too)
-            values = self.score(hidden)[..., 0].float()
-            return values, torch.zeros_like(values)
-        head = self.lm.get_output_embeddings()
-        weight, start, tp = head.weight, 0, dict(tp_group=self.tp_group)
-        if self.tp_group is not None:
-            weight, start = vocab_slice(weight)
-        cap = getattr(self.lm.config, "final_logit_softcapping", None)  # Gemma-2: cap * tanh(logits / cap)
-        fused = self.fused and head.bias is None and not cap
-        if fused:  # no [tokens, vocab] logits in forward or backward
-            lp, ent = linear_token_logprobs(hidden, weight, targets, temperature=temperature, return_entropy=True,
-                                            vocab_start_index=start, **tp)
-            scored = hidden
-        else:
-            if self.tp_group is not None:  # the kernel sums the hidden gradient over TP only when it does the matmul
-                hidden = copy_to_tp(hidden, self.tp_group)
-            scored = hidden @ weight.T if head.bias is None else nn.functional.linear(hidden, weight, head.bias)
-            if cap:  # the fused kernel's tiles are plain matmuls: a capped model forms its logits, as HF's forward does
-                scored = torch.tanh(scored / cap) * cap
-            lp, ent = token_logprobs_and_entropy(scored, targets, temperature=temperature, vocab_start_index=start,
-                                                 **tp)
-        rows = SimpleNamespace(weight=weight, vocab_start=start) if fused else None  # topk.py's fused-head shape
-        lp = filter_logprobs(lp, scored, rows, targets, scoring, self.tp_group, start)
-        if topk is None:
-            return lp, ent
-        from megatron_rl.policy.topk import logprobs_at
-
-        resp, ids = topk
-        tp_size = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
-        return lp, ent, logprobs_at(scored[resp], rows, ids, targets[resp], lp[resp], temperature, tp_size, start,
-                                    tp_group=self.tp_group)
+ROOT = FSDP2_PREFIX  # the HF model is `Scorer.lm`: parameter names minus this prefix are the HF names
 
 
 class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
@@ -168,8 +111,9 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         # and 114.7 on megatron before this; a random tiny model's zeroed pad row makes it that large)
         lm.get_input_embeddings().padding_idx = None
         self.hf_config = lm.config
+        self.vision = is_vision_language(lm.config.to_dict())  # image inputs to its forward (vision_inputs.py)
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]
-        self.max_positions = int(getattr(lm.config, "max_position_embeddings", 1 << 30))
+        self.max_positions = int(getattr(lm.config.get_text_config(), "max_position_embeddings", 1 << 30))
         self.varlen = cfg.packing == "varlen"  # auto is none on this backend (config loader)
         self.mask_kinds = layer_mask_kinds(lm.config) if cfg.shared_prefix or self.varlen or cfg.sp > 1 else None
         # hooks before FSDP wraps the layers (they stay on the router modules); None: no load-balancing loss
@@ -206,7 +150,7 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
             computed[HF_SCORE] = init.weight.detach()
             if not self._tied(lm):  # a tied lm_head is the input embedding, which trains
                 lm.get_output_embeddings().requires_grad_(False)
-        self.model = fully_shard(_Scorer(lm, cfg.fused_lm_head, tp_group, score), **kw)
+        self.model = fully_shard(Scorer(lm, cfg.fused_lm_head, tp_group, score, self.vision), **kw)
         for m in self.model.modules():  # the loss is globally normalised: sum the shards' gradients (module doc)
             if isinstance(m, FSDPModule):
                 m.set_gradient_divide_factor(1.0)
@@ -258,11 +202,14 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         batching.check_batch(batch, self.vocab_size, self.max_positions)
         if len(batch) < self.dp_size:
             raise ValueError(f"batch of {len(batch)} sequences cannot feed {self.dp_size} data-parallel ranks")
-        plan = packing.plan_split_rows(batch, shared=self.cfg.shared_prefix, varlen=self.varlen, multiple=1,
-                                       max_tokens=self.cfg.max_tokens_per_microbatch, ranks=self.sp.size,
+        # a VLM's rows are one sequence each, with its images (policy/vision_inputs.py): no shared prefix
+        plan = packing.plan_split_rows(batch, shared=self.cfg.shared_prefix and not self.vision, varlen=self.varlen,
+                                       multiple=1, max_tokens=self.cfg.max_tokens_per_microbatch, ranks=self.sp.size,
                                        key="policy.sp", dp_size=self.dp_size, dp_rank=self.dp_rank,
                                        equal_counts=self.dp_size > 1)
         mbs = [batching.rows(batch, units, varlen=self.varlen, thd=False) for units in plan]
+        if self.vision:
+            vision_inputs.attach(batch, mbs)
         return attach(batch, mbs, self._replay)
 
     def _score(self, mb: batching.MicroBatchRows, temperature: float, fields: StepFields | None = None):
@@ -280,7 +227,8 @@ class FSDP2PolicyWorker(WeightsOut, Residency, RankWorker):
         topk = None if teacher is None else (view.resp_mask.to(dev), teacher[0])
         if self._replay is not None:
             self._replay.set(mb.routing)
-        out = self.model(mb.tokens.to(dev), positions, window, view.targets.to(dev), temperature, mask, topk)
+        vision = None if not self.vision else {k: v.to(dev) for k, v in (mb.model_inputs or {}).items()}
+        out = self.model(mb.tokens.to(dev), positions, window, view.targets.to(dev), temperature, mask, topk, vision)
         if teacher is None:
             return *out, view, {}
         lp, ent, student = out

@@ -78,7 +78,7 @@ def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None,
         model = auto.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")  # every persistent tensor is filled below; non-persistent buffers are not exported
     stored = set(FileSystemReader(str(ckpt / DIST_DIR)).read_metadata().state_dict_metadata)
-    # the worker's names: the HF model under FSDP2_PREFIX, a value model's head beside it (fsdp2_worker._Scorer)
+    # the worker's names: the HF model under FSDP2_PREFIX, a value model's head beside it (fsdp2_scorer.Scorer)
     want = {(k if k == HF_SCORE else FSDP2_PREFIX + k): v for k, v in model.state_dict().items()}
     # a tied lm_head is the embedding itself (one tensor, possibly stored under one name only)
     tied = {FSDP2_PREFIX + "lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()

@@ -46,3 +46,12 @@ def test_megatron_refuses_it_naming_the_backend(vlm_dir):
     assert "policy.backend=megatron" in msg and "policy.backend=fsdp2" in msg
     spec, _ = _model_spec(load_config(DEMO, [f"policy.model={vlm_dir}", "policy.backend=fsdp2"]), vlm_dir)
     assert spec.hidden_size == 64
+
+
+@pytest.mark.parametrize("override, key", [("policy.packing=varlen", "policy.packing=varlen"),
+                                           ("policy.tp=2", "policy.tp=2"), ("policy.sp=2", "policy.sp=2")])
+def test_fsdp2_refuses_layouts_a_vlm_row_cannot_take(vlm_dir, override, key):
+    cfg = load_config(DEMO, [f"policy.model={vlm_dir}", "policy.backend=fsdp2", "cluster.devices_per_node=2",
+                                override], check_model=False)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ": a vision-language model trains one sequence"):
+        _model_spec(cfg, vlm_dir)
