@@ -21,6 +21,8 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
+    # a vision-language model's processor (its image preprocessing and placeholder expansion: data/vision_prompts.py)
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

@@ -22,6 +22,15 @@ def is_vision_language(hf_config: dict[str, Any]) -> bool:
     return isinstance(hf_config.get("vision_config"), dict) and isinstance(hf_config.get("text_config"), dict)
 
 
+def auto_model_class(hf_config: dict[str, Any]):
+    """transformers' auto class that builds the folder's model with its head: a VLM's image-text-to-text class, or
+    the causal LM's."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if is_vision_language(hf_config) else \
+        transformers.AutoModelForCausalLM
+
+
 def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config of a VLM (the top-level keys its text_config lacks, such as
     `tie_word_embeddings` or `architectures`, filled in from the top); a text model's config as it is."""

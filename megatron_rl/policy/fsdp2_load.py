@@ -40,14 +40,10 @@ def stored_dtype(model_dir) -> torch.dtype:
 
 
 def auto_class(model_dir):
-    """transformers' class for the folder: a causal LM, or a vision-language model's image-text-to-text class."""
-    import transformers
+    """transformers' class for the folder (models/vlm.py: a causal LM, or a vision-language model's)."""
+    from megatron_rl.models.vlm import auto_model_class
 
-    from megatron_rl.models.vlm import is_vision_language
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return transformers.AutoModelForImageTextToText if is_vision_language(config) else \
-        transformers.AutoModelForCausalLM
+    return auto_model_class(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 def skeleton(model_dir, **kw) -> nn.Module:

@@ -47,9 +47,12 @@ def fsdp2_adapters(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def _merged_base(adapters: dict, lora: dict) -> dict[str, torch.Tensor]:
     """lora: metadata.json's `adapters` ({"lora": policy.lora, "base": its HF folder}). The base HF model with every adapted weight replaced by W + (alpha / r) B A (fp32), in on-disk names."""
-    from transformers import AutoModelForCausalLM
+    import json
 
-    model = AutoModelForCausalLM.from_pretrained(lora["base"], dtype=torch.float32)
+    from megatron_rl.models.vlm import auto_model_class
+
+    config = json.loads((Path(lora["base"]) / "config.json").read_text())
+    model = auto_model_class(config).from_pretrained(lora["base"], dtype=torch.float32)
     scale = float(lora["lora"]["alpha"]) / int(lora["lora"]["rank"])
     with torch.no_grad():
         for path, ab in adapters.items():
@@ -64,9 +67,10 @@ def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None,
     `adapters`, merged onto its base; a value model's as transformers' ...ForSequenceClassification)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from megatron_rl.models.value_head import HF_SCORE, value_model_hf_config
+    from megatron_rl.models.vlm import auto_model_class
 
     if lora is not None:
         return _merged_base(fsdp2_adapters(ckpt), lora)
@@ -74,7 +78,7 @@ def fsdp2_hf_state(ckpt: Path, hf_config: dict, lora: dict | None = None,
     cfg = value_model_hf_config(hf_config) if value_head else dict(hf_config)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        auto = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
+        auto = AutoModelForSequenceClassification if value_head else auto_model_class(hf_config)
         model = auto.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")  # every persistent tensor is filled below; non-persistent buffers are not exported
     stored = set(FileSystemReader(str(ckpt / DIST_DIR)).read_metadata().state_dict_metadata)
