@@ -11,7 +11,6 @@ One engine for the module (its start dominates the runtime).
 """
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
@@ -22,18 +21,11 @@ from megatron_rl.data.datasets import load_dataset
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.generation import VLLMGenerator
 from megatron_rl.generation.interface import ImagePrompt, engine_prompt
+from megatron_rl.data.synthetic_vision import solid_png
 from megatron_rl.models.tiny_vlm import write_tiny_vlm
 
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 230)}
 QUESTIONS = [("red", "What colour is this?"), ("blue", "Name the colour."), ("green", "Colour?")]
-
-
-def _png(rgb, size=(40, 30)) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", size, rgb).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +35,12 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vlm_gen")
     model = write_tiny_vlm(root / "model", seed=2)
-    rows = [{"prompt": [{"role": "user", "content": f"<image>{q}"}], "images": [{"bytes": _png(COLOURS[c]),
-                                                                              "path": None}],
-             "reward_model": {"ground_truth": c}} for c, q in QUESTIONS]
+    rows = [{"prompt": [{"role": "user", "content": f"<image>{q}"}],
+             "images": [{"bytes": solid_png(COLOURS[c], (40, 30)), "path": None}], "reward_model": {"ground_truth": c}}
+            for c, q in QUESTIONS]
     pq.write_table(pa.Table.from_pylist(rows), root / "train.parquet")
     for c, _ in QUESTIONS:
-        (root / f"{c}.png").write_bytes(_png(COLOURS[c]))
+        (root / f"{c}.png").write_bytes(solid_png(COLOURS[c], (40, 30)))
     with open(root / "train.jsonl", "w") as f:
         for c, q in QUESTIONS:
             f.write(json.dumps({"prompt": [{"role": "user", "content": [{"type": "image", "image": f"{c}.png"},
@@ -96,7 +88,8 @@ def test_engine_greedy_equals_transformers_with_the_images(setup):
     assert res.token_ids == [w[:len(g)] for g, w in zip(res.token_ids, want)] and \
         sum(len(g) for g in res.token_ids) >= 12, (res.token_ids, want)
     # the images matter: the same prompts with each other's images continue differently somewhere
-    swapped = [ImagePrompt(it.engine_ids, other.images, len(it.prompt_ids)) for it, other in zip(its, its[1:] + its[:1])]
+    swapped = [ImagePrompt(it.engine_ids, other.images, len(it.prompt_ids))
+               for it, other in zip(its, its[1:] + its[:1])]
     other = gen.generate(swapped, n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=8)
     assert other.token_ids != res.token_ids
 

@@ -7,7 +7,6 @@ read with the images, equal the trainer's to fp32 precision, which fails if any 
 the engine reused image features of the old weights. The export of the last checkpoint then loads in transformers
 and in vLLM, whose greedy continuations of an image prompt agree; the megatron backend refuses the model in one line.
 """
-import io
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.data.synthetic_vision import solid_png
 from tests import cli_runner  # `python -m megatron_rl` forked from a preloaded server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,14 +39,6 @@ def train_args(out: Path, model: Path, data: Path, *extra: str) -> list[str]:
             "grpo.loss.entropy_coef=0.01", *extra]
 
 
-def _png(rgb, size) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", size, rgb).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     import pyarrow as pa
@@ -57,7 +49,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm_grpo")
     model = write_tiny_vlm(root / "model", seed=3)
     rows = [{"prompt": [{"role": "user", "content": "<image>What colour is this? Answer in <answer></answer>."}],
-             "images": [{"bytes": _png(rgb, (32 + 8 * i, 32)), "path": None}], "reward_model": {"ground_truth": c}}
+             "images": [{"bytes": solid_png(rgb, (32 + 8 * i, 32)), "path": None}], "reward_model": {"ground_truth": c}}
             for i, (c, rgb) in enumerate(list(COLOURS.items()) * 2)]
     pq.write_table(pa.Table.from_pylist(rows), root / "train.parquet")
     out = root / "run"
