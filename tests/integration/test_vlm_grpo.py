@@ -115,3 +115,21 @@ def test_megatron_backend_refuses_a_vlm_in_one_line(run, tmp_path):
     assert r.returncode != 0
     err = [line for line in r.stderr.splitlines() if "vision-language" in line]
     assert len(err) == 1 and "policy.backend=megatron" in err[0] and "policy.backend=fsdp2" in err[0], r.stderr[-2000:]
+
+
+def test_a_missing_image_is_named_before_anything_starts(run, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, model, _ = run
+    (tmp_path / "ok.png").write_bytes(solid_png((9, 9, 9), (8, 8)))
+    rows = [{"prompt": [{"role": "user", "content": "<image>Colour?"}], "images": ["ok.png"],
+             "reward_model": {"ground_truth": "grey"}},
+            {"prompt": [{"role": "user", "content": "<image>Colour?"}], "images": ["img/absent.png"],
+             "reward_model": {"ground_truth": "red"}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    r = megatron_rl(*train_args(tmp_path / "b", model, tmp_path / "bad.parquet"), timeout=120)
+    assert r.returncode != 0 and "Ray" not in r.stdout.split("config, model, data")[0]
+    err = [line for line in r.stderr.splitlines() if "absent.png" in line]
+    assert len(err) == 1 and f"{tmp_path / 'bad.parquet'}: row 1: field 'images[0]'" in err[0] and \
+        "no such file" in err[0], r.stderr[-2000:]
