@@ -47,7 +47,9 @@ def _model_spec(cfg: Config, model_dir: Path):
     try:
         raw, label = load_hf_config(model_dir)
         check_backend(raw, cfg.policy.backend, cfg.policy.model)  # a VLM: fsdp2 only, said in one line
-        check_policy(raw, packing=cfg.policy.packing, tp=cfg.policy.tp, sp=cfg.policy.sp)
+        check_policy(raw, packing=cfg.policy.packing, tp=cfg.policy.tp, sp=cfg.policy.sp,
+                     multiturn=cfg.environment.cls is not None,
+                     inflight=cfg.grpo.inflight_weight_updates or cfg.grpo.partial_rollouts)
         # the megatron backend builds the model from the spec, so it must represent the family; fsdp2 runs
         # transformers' own model and needs only its shape
         return (shape_spec(model_dir) if cfg.policy.backend == "fsdp2" else model_spec(model_dir)), label

@@ -49,11 +49,13 @@ def check_backend(hf_config: dict[str, Any], backend: str, model: str) -> None:
                          "builds it")
 
 
-def check_policy(hf_config: dict[str, Any], *, packing: str, tp: int, sp: int) -> None:
-    """BackendError naming the key when a VLM is given a layout its rows cannot take: each row is one sequence with
-    its own images and positions (policy/vision_inputs.py), so no packing (policy.shared_prefix, on by default, is
-    not applied: the same loss, each sequence in a row of its own); tensor and sequence parallelism would split the
-    vision tower's inputs, which nothing does yet."""
+def check_policy(hf_config: dict[str, Any], *, packing: str, tp: int, sp: int, multiturn: bool = False,
+                 inflight: bool = False) -> None:
+    """BackendError naming the key when a VLM is given what its images cannot go through yet: each row is one
+    sequence with its own images and positions (policy/vision_inputs.py), so no packing (policy.shared_prefix, on by
+    default, is not applied: the same loss, each sequence in a row of its own); tensor and sequence parallelism
+    would split the vision tower's inputs; multi-turn and in-flight rollouts submit token ids alone to the engine
+    (generation/requests.py), without the prompt's images."""
     if not is_vision_language(hf_config):
         return
     for key, value, bad in (("policy.packing", packing, packing == "varlen"), ("policy.tp", tp, tp > 1),
@@ -61,3 +63,8 @@ def check_policy(hf_config: dict[str, Any], *, packing: str, tp: int, sp: int) -
         if bad:
             raise BackendError(f"{key}={value}: a vision-language model trains one sequence a row with its images "
                                "(policy.packing none or auto, policy.tp 1, policy.sp 1)")
+    for key, bad in (("environment.cls", multiturn), ("grpo.inflight_weight_updates / grpo.partial_rollouts",
+                                                       inflight)):
+        if bad:
+            raise BackendError(f"{key}: not yet with a vision-language model (its engine requests carry no images); "
+                               "single-turn rollouts, synchronous or async (grpo.max_staleness), do")

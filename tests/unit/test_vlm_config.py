@@ -48,6 +48,16 @@ def test_megatron_refuses_it_naming_the_backend(vlm_dir):
     assert spec.hidden_size == 64
 
 
+@pytest.mark.parametrize("override, key", [
+    ("environment.cls=megatron_rl.environments.guess_number:GuessNumber", "environment.cls: not yet"),
+    ("grpo.inflight_weight_updates=true grpo.max_staleness=1 cluster.colocated=false cluster.devices_per_node=2",
+     "grpo.inflight_weight_updates / grpo.partial_rollouts: not yet")])
+def test_rollouts_whose_requests_carry_no_images_are_refused(vlm_dir, override, key):
+    cfg = load_config(DEMO, [f"policy.model={vlm_dir}", "policy.backend=fsdp2", *override.split()], check_model=False)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        _model_spec(cfg, vlm_dir)
+
+
 @pytest.mark.parametrize("override, key", [("policy.packing=varlen", "policy.packing=varlen"),
                                            ("policy.tp=2", "policy.tp=2"), ("policy.sp=2", "policy.sp=2")])
 def test_fsdp2_refuses_layouts_a_vlm_row_cannot_take(vlm_dir, override, key):
