@@ -67,3 +67,18 @@ def pytest_collection_modifyitems(session, config, items):
     for i, item in enumerate(items):
         first.setdefault(item.nodeid.split("::")[0], i)
     items.sort(key=lambda it: (-costs.get(it.nodeid.split("::")[0], _NEW_FILE_S), first[it.nodeid.split("::")[0]]))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Ray workers forked from a preloaded server (tests/worker_fork_server.py), one per pytest process.
+def pytest_collection_finish(session):
+    from tests import worker_fork_server
+
+    if worker_fork_server.wanted([item.nodeid for item in session.items]):
+        worker_fork_server.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import worker_fork_server
+
+    worker_fork_server.stop()

@@ -77,6 +77,10 @@ def init_ray(cfg: ClusterConfig, *, num_cpus: int | None = None, log_to_driver: 
     # Clusters that join an address keep whatever the operator configured (see README, "Ray authentication tokens").
     if cfg.ray_address is None:
         _local_auth()
+        from megatron_rl.distributed import worker_fork
+
+        if worker_fork.enabled():  # a development aid (the test suite): workers forked from a preloaded server
+            runtime_env["py_executable"] = worker_fork.py_executable()
         # "local": always a private cluster. Without an address Ray joins the newest `ray start` cluster recorded in
         # /tmp/ray/ray_current_cluster (another user's job, or a concurrent test's 2-node cluster) instead.
         ray.init(

@@ -88,6 +88,9 @@ class Run:
         self.stdout_path, self.stderr_path = log_dir / f"run-{stamp}.out", log_dir / f"run-{stamp}.err"
         self._out, self._err = open(self.stdout_path, "w"), open(self.stderr_path, "w")
         self.t0 = time.monotonic()
+        # the victims are found among this driver's descendants: Ray workers as new interpreters, not forks of a
+        # preloaded server (megatron_rl/distributed/worker_fork.py), which are the server's children
+        env = {**(os.environ if env is None else env), "MRL_WORKER_FORK": "0"}
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err,
                                      start_new_session=True)
         self.driver = Proc(self.proc.pid, psutil.Process(self.proc.pid).create_time(), "driver")

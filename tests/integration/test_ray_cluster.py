@@ -15,7 +15,17 @@ from megatron_rl.testing.ray_workers import AllReduceWorker
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    init_ray(ClusterConfig(object_store_memory_mb=256), num_cpus=2, log_to_driver=False)
+    # workers as new interpreters, children of this cluster's raylet: the idle-worker check below walks this
+    # process's descendants, which forks of the suite's preloaded server (tests/worker_fork_server.py) are not
+    old = os.environ.get("MRL_WORKER_FORK")
+    os.environ["MRL_WORKER_FORK"] = "0"
+    try:
+        init_ray(ClusterConfig(object_store_memory_mb=256), num_cpus=2, log_to_driver=False)
+    finally:
+        if old is None:
+            os.environ.pop("MRL_WORKER_FORK")
+        else:
+            os.environ["MRL_WORKER_FORK"] = old
     yield
     shutdown_ray()
 

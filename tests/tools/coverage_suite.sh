@@ -21,6 +21,9 @@ rm -f "$OUT"/.coverage*
 : > "$OUT/profile.jsonl"  # the profile plugin appends
 cd "$ROOT"
 export COVERAGE_DATA_DIR="$OUT"
+# Ray workers as new interpreters, which coverage.py's subprocess patch follows (not forks of a preloaded server,
+# tests/worker_fork_server.py)
+export MRL_WORKER_FORK=0
 COV=("$ROOT/.venv/bin/python" -m coverage run --rcfile=tests/tools/coverage.rc -m pytest -q -p tests.tools.suite_profile
      -p tests.tools.cov_context
      "--suite-profile=$OUT/profile.jsonl")
