@@ -21,6 +21,22 @@ _server: subprocess.Popen | None = None
 _dir: tempfile.TemporaryDirectory | None = None
 
 
+def serve(sock, preload: str | None = None, timeout: float = 120.0) -> subprocess.Popen:
+    """A server of a test's own on `sock`, once it listens; `preload`: MRL_WORKER_FORK_PRELOAD (None: the default)."""
+    import time
+
+    env = dict(os.environ) if preload is None else {**os.environ, "MRL_WORKER_FORK_PRELOAD": preload}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.distributed.worker_fork", "serve", str(sock)],
+                            env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(sock):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the worker fork server did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    return proc
+
+
 def wanted(nodeids: list[str]) -> bool:
     return os.environ.get("MRL_WORKER_FORK", "1") != "0" and sys.platform == "linux" and any(
         n.startswith("tests/integration/") or n.startswith("tests/unit/test_bench_smokes.py") for n in nodeids)

@@ -120,8 +120,7 @@ def build_rollout(cfg: Config, groups, stats: dict) -> Rollout:
     batch = RolloutBatch(input_ids=ids, prompt_lens=plens, advantages=advs, gen_logprobs=gen_lps, group_ids=gids,
                          loss_mask=[m if m is not None else torch.ones(len(i) - p, dtype=torch.bool)
                                     for m, i, p in zip(masks, ids, plens)] if multiturn else None)
-    for key in sorted({k for v in vision if v for k in v}):  # the trainer's model inputs (policy/vision_inputs.py)
-        batch.model_inputs[key] = [v.get(key) if v else None for v in vision]
+    batch.add_model_inputs(vision)  # the trainer's model inputs (policy/vision_inputs.py)
     if routing and all(r is not None for r in routing):  # the trainer replays the engine's experts
         batch.routed_experts = routing
         stats["routing_recorded_frac"] = recorded_fraction(routing)

@@ -51,7 +51,9 @@ def max_len_of(cfg: Config, model_dir: Path) -> int:
     s = section(cfg)
     if s.max_seq_len is not None:
         return s.max_seq_len
-    return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    from megatron_rl.models.vlm import text_config  # a vision-language model's context is its language model's
+
+    return int(text_config(json.loads((model_dir / "config.json").read_text()))["max_position_embeddings"])
 
 
 def load_data(cfg: Config, tok, model_dir: Path, dp_size: int) -> SupervisedData:
@@ -67,8 +69,14 @@ def load_data(cfg: Config, tok, model_dir: Path, dp_size: int) -> SupervisedData
     # a reward model's sequences end with one token more (supervised_batches.rm_pair_batch)
     limit = max_len_of(cfg, model_dir) - (1 if key == "rm" else 0)
     name = f"{key}.max_seq_len" + (" less the score token" if key == "rm" else "")
-    train = read(cfg.data.path, tok, limit, cfg.data.use_chat_template, name)
-    val = read(cfg.data.val_path, tok, limit, cfg.data.use_chat_template, name)[:s.val_max_examples] \
+    extra = {}
+    if key == "sft":  # a vision-language model's processor renders its examples, images included
+        from megatron_rl.data.vision_prompts import VisionProcessor, has_processor
+
+        if has_processor(model_dir):
+            extra = {"vision": VisionProcessor(model_dir), "image_key": cfg.data.image_key}
+    train = read(cfg.data.path, tok, limit, cfg.data.use_chat_template, name, **extra)
+    val = read(cfg.data.val_path, tok, limit, cfg.data.use_chat_template, name, **extra)[:s.val_max_examples] \
         if cfg.data.val_path and s.val_every > 0 else []
     for path, examples in ((cfg.data.path, train), (cfg.data.val_path, val)):
         if examples and len(examples) < dp_size:

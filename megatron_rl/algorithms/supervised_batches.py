@@ -62,8 +62,10 @@ def steps_for(epochs: int, stream: ExampleStream) -> int:
 
 
 def sft_batch(examples: list[SFTExample]) -> RolloutBatch:
-    return RolloutBatch(input_ids=[list(e.ids) for e in examples], prompt_lens=[e.prompt_len for e in examples],
-                        loss_mask=[torch.tensor(e.loss_mask, dtype=torch.bool) for e in examples])
+    batch = RolloutBatch(input_ids=[list(e.ids) for e in examples], prompt_lens=[e.prompt_len for e in examples],
+                         loss_mask=[torch.tensor(e.loss_mask, dtype=torch.bool) for e in examples])
+    batch.add_model_inputs([e.model_inputs for e in examples])  # a vision-language example's images
+    return batch
 
 
 def pair_batch(pairs: list[PairExample]) -> RolloutBatch:

@@ -31,6 +31,8 @@ class SFTExample:
     prompt_len: int  # tokens before the first trained one
     loss_mask: tuple[bool, ...]  # per token after the prompt: True = trained (assistant), False = context
     line: int
+    # a vision-language example's processor outputs (pixel_values, ...: data/vision_supervised.py); None: text only
+    model_inputs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -121,27 +123,32 @@ class Renderer:
         return self.tok.encode(_text(obj, field)) + [self.tok.eos_token_id]
 
     def assistant_turns(self, messages: list[dict]) -> tuple[list[int], int, list[bool]]:
-        """(ids, prompt length, mask after the prompt) of a conversation: each assistant turn's tokens are the
-        difference between the rendering up to and including it and the rendering before it with the generation
-        prompt. A template whose renderings are not prefixes of each other cannot be split this way: refused."""
-        full = self.conversation(messages, add_generation_prompt=False)
-        trained = [False] * len(full)
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            if k == 0:
-                raise _LineError("field 'messages': the first message is an assistant turn (it needs a prompt)")
-            before = self.conversation(messages[:k], add_generation_prompt=True)
-            upto = self.conversation(messages[:k + 1], add_generation_prompt=False)
-            if full[:len(upto)] != upto or upto[:len(before)] != before:
-                raise _LineError(f"field 'messages': the chat template does not render message {k} as a prefix "
-                                 "extension of the messages before it, so its tokens cannot be told apart")
-            for i in range(len(before), len(upto)):
-                trained[i] = True
-        if not any(trained):
-            raise _LineError("field 'messages' has no assistant turn to train on")
-        p = trained.index(True)
-        return full, p, trained[p:]
+        """(ids, prompt length, mask after the prompt) of a conversation (`split_assistant_turns`)."""
+        return split_assistant_turns(messages, lambda upto, gen: self.conversation(messages[:upto], gen))
+
+
+def split_assistant_turns(messages: list[dict], render) -> tuple[list[int], int, list[bool]]:
+    """(ids, prompt length, mask after the prompt) of a conversation, `render(n, generation_prompt)` giving the ids
+    of its first n messages: each assistant turn's tokens are the difference between the rendering up to and
+    including it and the rendering before it with the generation prompt. A template whose renderings are not
+    prefixes of each other cannot be split this way: refused."""
+    full = render(len(messages), False)
+    trained = [False] * len(full)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if k == 0:
+            raise _LineError("field 'messages': the first message is an assistant turn (it needs a prompt)")
+        before, upto = render(k, True), render(k + 1, False)
+        if full[:len(upto)] != upto or upto[:len(before)] != before:
+            raise _LineError(f"field 'messages': the chat template does not render message {k} as a prefix "
+                             "extension of the messages before it, so its tokens cannot be told apart")
+        for i in range(len(before), len(upto)):
+            trained[i] = True
+    if not any(trained):
+        raise _LineError("field 'messages' has no assistant turn to train on")
+    p = trained.index(True)
+    return full, p, trained[p:]
 
 
 def _checked_length(n: int, max_len: int, field: str, key: str) -> None:
@@ -151,12 +158,21 @@ def _checked_length(n: int, max_len: int, field: str, key: str) -> None:
 
 
 def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
-             key: str = "sft.max_seq_len") -> list[SFTExample]:
-    """`max_len`: the longest example allowed, set by the config key `key` (named when one is longer)."""
+             key: str = "sft.max_seq_len", vision=None, image_key: str = "images") -> list[SFTExample]:
+    """`max_len`: the longest example allowed, set by the config key `key` (named when one is longer). `vision`: a
+    vision-language model's `VisionProcessor`, which renders every example (images in `image_key` or in content
+    parts: data/vision_supervised.py)."""
     r = Renderer(tok, chat)
     out = []
     for p, lineno, obj in jsonl_objects(path):
         try:
+            if vision is not None:
+                from megatron_rl.data.vision_supervised import vision_sft_example
+
+                ids, plen, mask, field, inputs = vision_sft_example(obj, vision, image_key, p.parent)
+                _checked_length(len(ids), max_len, field, key)
+                out.append(SFTExample(tuple(ids), plen, tuple(mask), lineno, inputs or None))
+                continue
             if "messages" in obj:
                 ids, plen, mask = r.assistant_turns(_messages(obj["messages"], "messages"))
                 field = "messages"
@@ -166,7 +182,7 @@ def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
             else:
                 raise _LineError("missing field 'messages' (or 'prompt' and 'completion')")
             _checked_length(len(ids), max_len, field, key)
-        except _LineError as e:
+        except (_LineError, DataError) as e:
             raise DataError(f"{p}:{lineno}: {e}") from None
         out.append(SFTExample(tuple(ids), plen, tuple(mask), lineno))
     if not out:

@@ -2,7 +2,7 @@
 `images` column of PNG bytes, an `<image>` marker in the prompt, the colour as `reward_model.ground_truth`), so the
 demo reads it exactly as it reads a user's geometry3k.
 
-    python -m megatron_rl.data.synthetic_vision --out DIR [--train 512] [--val 128] [--seed 0]
+    python -m megatron_rl.data.synthetic_vision --out DIR [--train 512] [--val 128] [--sft 64] [--seed 0]
 
 Each image is a square or a disc of one of COLOURS, of random size and place, on a noisy grey background; the
 question lists the colours, so guessing scores 1 / len(COLOURS). Only the image tells which is right.
@@ -67,14 +67,31 @@ def records(n: int, seed: int) -> list[dict]:
     return out
 
 
-def write(out: Path, train: int, val: int, seed: int) -> tuple[Path, Path]:
+def sft_lines(n: int, seed: int) -> list[dict]:
+    """SFT examples of the same task (images of their own, as data URLs): the prompt's messages, then the answer."""
+    import base64
+
+    out = []
+    for r in records(n, seed):
+        url = "data:image/png;base64," + base64.b64encode(r["images"][0]["bytes"]).decode()
+        answer = {"role": "assistant", "content": f"<answer>{r['reward_model']['ground_truth']}</answer>"}
+        out.append({"messages": [*r["prompt"], answer], "images": [url]})
+    return out
+
+
+def write(out: Path, train: int, val: int, seed: int, sft: int = 0) -> list[Path]:
+    import json
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.parquet", out / "val.parquet"
+    paths = [out / "train.parquet", out / "val.parquet"]
     for path, n, s in zip(paths, (train, val), (seed, seed + 1)):
         pq.write_table(pa.Table.from_pylist(records(n, s)), path)
+    if sft:
+        paths.append(out / "sft.jsonl")
+        paths[-1].write_text("".join(json.dumps(x) + "\n" for x in sft_lines(sft, seed + 2)))
     return paths
 
 
@@ -84,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", type=int, default=512)
     ap.add_argument("--val", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sft", type=int, default=64, help="SFT examples in sft.jsonl (0: none)")
     args = ap.parse_args(argv)
-    for p in write(args.out, args.train, args.val, args.seed):
+    for p in write(args.out, args.train, args.val, args.seed, args.sft):
         print(p)
     return 0
 

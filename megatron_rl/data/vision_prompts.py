@@ -62,6 +62,9 @@ class VisionProcessor:
         if not problem.images:
             return engine_ids, text, engine_ids, {}
         enc = self.processor(text=text, images=problem.images, return_tensors="pt", add_special_tokens=False)
-        ids = enc["input_ids"][0].tolist()
-        inputs = {k: v for k, v in enc.items() if k not in _TEXT_KEYS}
-        return ids, text, engine_ids, inputs
+        return enc["input_ids"][0].tolist(), text, engine_ids, model_inputs_of(enc)
+
+
+def model_inputs_of(enc) -> dict[str, Any]:
+    """The processor's outputs that are the model's image inputs (not its text ones)."""
+    return {k: v for k, v in enc.items() if k not in _TEXT_KEYS}

@@ -31,23 +31,35 @@ def main(args: list[str]) -> None:
     except OSError:
         sock.close()
         _exec_python(args)
+    # signals are caught from here on: one that arrives before the fork's pid is known is held, then forwarded
+    target: list[int] = []
+    held: list[int] = []
+
+    def forward(sig, _frame):
+        if not target:
+            held.append(sig)
+            return
+        try:
+            os.kill(target[0], sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     request = json.dumps({"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     socket.send_fds(sock, [struct.pack("!Q", len(request)) + request], [0, 1, 2])
     reply = _read(sock, 8)
     pid = struct.unpack("!q", reply)[0] if reply is not None else -1
     if pid < 0:  # the server does not fork this one (another job's worker) or went away: run it here instead
         sock.close()
+        for sig in held:  # what a new interpreter would have done with them: die
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
         _exec_python(args)
     _die_with_parent()
-
-    def forward(sig, _frame):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    target.append(pid)
+    for sig in held:
+        forward(sig, None)
     status = _read(sock, 8)
     if status is None:  # the server died: so did the worker (the server kills its workers when it stops)
         os._exit(1)

@@ -61,6 +61,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def add_model_inputs(self, per_sequence: list[Optional[dict]]) -> None:
+        """`model_inputs` from one dict (or None) per sequence: a key any sequence has, None where one lacks it."""
+        for key in sorted({k for v in per_sequence if v for k in v}):
+            self.model_inputs[key] = [v.get(key) if v else None for v in per_sequence]
+
     def subset(self, idx: list[int]) -> "RolloutBatch":
         """The sequences at `idx`, in that order, with every per-sequence field (normalisers: their own counts)."""
         def pick(v):

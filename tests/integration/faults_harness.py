@@ -77,7 +77,7 @@ class Run:
     """One CLI run in a subprocess, with its process tree tracked. stdout/stderr go to files (no pipe can fill)."""
 
     def __init__(self, cmd: list[str], *, cwd: Path = REPO, env: dict | None = None, log_dir: Path | None = None,
-                 poll_s: float = 0.005):
+                 poll_s: float = 0.005, fork_workers: bool = False):
         self.cmd = cmd
         if log_dir is None:  # beside the run's output.dir
             out = next((a.split("=", 1)[1] for a in cmd if a.startswith("output.dir=")), None)
@@ -90,7 +90,7 @@ class Run:
         self.t0 = time.monotonic()
         # the victims are found among this driver's descendants: Ray workers as new interpreters, not forks of a
         # preloaded server (megatron_rl/distributed/worker_fork.py), which are the server's children
-        env = {**(os.environ if env is None else env), "MRL_WORKER_FORK": "0"}
+        env = {**(os.environ if env is None else env), **({} if fork_workers else {"MRL_WORKER_FORK": "0"})}
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._out, stderr=self._err,
                                      start_new_session=True)
         self.driver = Proc(self.proc.pid, psutil.Process(self.proc.pid).create_time(), "driver")
@@ -329,8 +329,10 @@ class Finished:
 
 
 def run_to_exit(cmd: list[str], *, timeout: float = 180.0, env: dict | None = None) -> Finished:
-    """Run a CLI command to its end, recording every process it started (none when it stopped before Ray)."""
-    run = Run(cmd, env=env)
+    """Run a CLI command to its end, recording every process it started (none when it stopped before Ray). Its Ray
+    workers may be forks of the suite's preloaded server, not among them: a run that started Ray still has Ray's
+    own processes (gcs_server, raylet) among its children, which is what the callers' "nothing started" checks see."""
+    run = Run(cmd, env=env, fork_workers=True)
     try:
         rc = run.wait(timeout=timeout)
         run._sample()

@@ -115,8 +115,12 @@ def gpu_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         ray.shutdown()
+    from megatron_rl.distributed import worker_fork
+
+    # its actors forked from the suite's preloaded server, as init_ray's clusters' are (tests/worker_fork_server.py)
+    env = {"py_executable": worker_fork.py_executable()} if worker_fork.enabled() else None
     ray.init(address="local", num_cpus=2, num_gpus=DEVICES, object_store_memory=256 << 20, include_dashboard=False,
-             configure_logging=False, log_to_driver=False)
+             configure_logging=False, log_to_driver=False, runtime_env=env)
     yield
     ray.shutdown()
 

@@ -38,3 +38,21 @@ def test_the_task_images_show_their_answer():
         share = (np.abs(px - want).sum(1) == 0).mean()  # pixels exactly the shape's colour
         assert share > 0.05, (r["reward_model"], share)
         assert "<image>" in r["prompt"][-1]["content"] and r["prompt"][-1]["role"] == "user"
+
+
+def test_the_sft_examples_answer_what_their_images_show():
+    import base64
+
+    from PIL import Image
+
+    from megatron_rl.data.synthetic_vision import sft_lines
+
+    lines = sft_lines(8, seed=2)
+    for line in lines:
+        answer = line["messages"][-1]
+        assert answer["role"] == "assistant" and line["messages"][-2]["content"].startswith("<image>")
+        colour = answer["content"].removeprefix("<answer>").removesuffix("</answer>")
+        data = base64.b64decode(line["images"][0].split(",", 1)[1])
+        px = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).reshape(-1, 3)
+        assert (np.abs(px - np.array(COLOURS[colour])).sum(1) == 0).mean() > 0.05, colour
+    assert sorted({x["messages"][-1]["content"] for x in lines}) == sorted(f"<answer>{c}</answer>" for c in COLOURS)

@@ -133,3 +133,58 @@ def test_a_missing_image_is_named_before_anything_starts(run, tmp_path):
     err = [line for line in r.stderr.splitlines() if "absent.png" in line]
     assert len(err) == 1 and f"{tmp_path / 'bad.parquet'}: row 1: field 'images[0]'" in err[0] and \
         "no such file" in err[0], r.stderr[-2000:]
+
+
+def test_sft_with_images_matches_transformers_loss_at_dp2(run, tmp_path):
+    """`megatron-rl sft` on image examples (both layouts), two FSDP2 ranks: the validation loss on the initial weights
+    and step 1's loss (one batch of every example) equal transformers' own forward of the processor's inputs, the
+    mean negative log-likelihood of the assistant turns' tokens; and the vision tower is trained."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    _, model, _ = run
+    lines = []
+    for i, (c, rgb) in enumerate(COLOURS.items()):
+        (tmp_path / f"{c}.png").write_bytes(solid_png(rgb, (32 + 8 * i, 32)))
+        answer = f"It is {c}."
+        if i % 2:
+            lines.append({"messages": [{"role": "user", "content": "<image>What colour is this?"},
+                                       {"role": "assistant", "content": answer}], "images": [f"{c}.png"]})
+        else:
+            lines.append({"messages": [{"role": "user", "content": [{"type": "image", "image": f"{c}.png"},
+                                                                    {"type": "text", "text": "What colour is this?"}]},
+                                       {"role": "assistant", "content": [{"type": "text", "text": answer}]}]})
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "sft"
+    r = megatron_rl("sft", str(REPO / "configs" / "sft_cpu.yaml"), f"policy.model={model}", f"output.dir={out}",
+                    "policy.backend=fsdp2", "cluster.devices_per_node=2", f"data.path={data}",
+                    f"data.val_path={data}", "sft.batch_size=4", "sft.max_steps=2", "sft.val_every=2",
+                    "sft.shuffle=false", "checkpoint.every_steps=2", "policy.precision=fp32",
+                    "policy.optimizer.lr=1e-3", "policy.scheduler.warmup_steps=0", "logging.progress=false")
+    assert r.returncode == 0, f"sft failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    hf = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(model)
+    nll, count = 0.0, 0
+    for i, (c, rgb) in enumerate(COLOURS.items()):
+        image = Image.new("RGB", (32 + 8 * i, 32), rgb)
+        user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
+        full = user + [{"role": "assistant", "content": [{"type": "text", "text": f"It is {c}."}]}]
+        enc = proc(text=proc.apply_chat_template(full, tokenize=False), images=[image], return_tensors="pt",
+                   add_special_tokens=False)
+        plen = len(proc(text=proc.apply_chat_template(user, add_generation_prompt=True, tokenize=False),
+                        images=[image], return_tensors="pt", add_special_tokens=False)["input_ids"][0])
+        with torch.no_grad():
+            logits = hf(**{k: v for k, v in enc.items() if k != "attention_mask"}).logits[0].double()
+        ids = enc["input_ids"][0]
+        lp = torch.log_softmax(logits[plen - 1:-1], -1).gather(-1, ids[plen:, None])
+        nll, count = nll - float(lp.sum()), count + len(ids) - plen
+    want = nll / count
+    val0 = next(x for x in recs if x.get("step") == 0 and "val_loss" in x)
+    step1 = next(x for x in recs if x.get("step") == 1 and "loss" in x)
+    assert val0["val_loss"] == pytest.approx(want, rel=1e-5)
+    assert step1["loss"] == pytest.approx(want, rel=1e-5) and step1["grad_norm"] > 0
+    val2 = [x for x in recs if x.get("step") == 2 and "val_loss" in x]
+    assert val2 and val2[0]["val_loss"] < want  # it learns the answers

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,19 +17,14 @@ from megatron_rl.config.schema import ClusterConfig
 from megatron_rl.distributed.cluster import init_ray, reserve, shutdown_ray
 from megatron_rl.distributed.worker_group import WorkerDiedError, WorkerGroup
 from megatron_rl.testing.ray_workers import AllReduceWorker
+from tests.worker_fork_server import serve
 
 
 @pytest.fixture(scope="module")
 def forked_cluster(tmp_path_factory):
     sock = tmp_path_factory.mktemp("wf") / "sock"
     # a server of its own (the suite's may be off: coverage runs), preloading what these ranks import
-    env = {**os.environ, "MRL_WORKER_FORK_PRELOAD": "ray,torch,torch.distributed,megatron_rl.testing.ray_workers"}
-    server = subprocess.Popen([sys.executable, "-m", "megatron_rl.distributed.worker_fork", "serve", str(sock)],
-                              env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not sock.exists():
-        assert server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
-        time.sleep(0.1)
+    server = serve(sock, preload="ray,torch,torch.distributed,megatron_rl.testing.ray_workers")
     saved = {k: os.environ.get(k) for k in ("MRL_WORKER_FORK_SOCKET", "MRL_WORKER_FORK")}
     os.environ.update(MRL_WORKER_FORK_SOCKET=str(sock), MRL_WORKER_FORK="1")
     try:

@@ -12,23 +12,23 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from megatron_rl.distributed.worker_fork import CLIENT, JOB_ID
+from tests.worker_fork_server import serve
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, tempfile, time
     mode = sys.argv[1]
+    if mode == "handler":  # before the first line: the test signals once it has read it
+        signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), os._exit(7)))
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "foo": os.environ.get("FOO"), "ppid": os.getppid(),
                       "pid": os.getpid(), "tmp": tempfile.gettempdir(), "path0": sys.path[0]}), flush=True)
     if mode == "exit3":
         sys.exit(3)
     if mode == "sigterm-self":
         os.kill(os.getpid(), signal.SIGTERM)
-    if mode == "handler":
-        signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), os._exit(7)))
     time.sleep(60)
 """)
 
@@ -37,13 +37,7 @@ SCRIPT = textwrap.dedent("""
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("wf")
     sock = root / "sock"
-    env = {**os.environ, "MRL_WORKER_FORK_PRELOAD": ""}  # nothing to preload: the protocol, not the libraries
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.distributed.worker_fork", "serve", str(sock)],
-                            env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
+    proc = serve(sock, preload="")  # nothing to preload: the protocol, not the libraries
     (root / "script.py").write_text(SCRIPT)
     yield proc, sock, root
     proc.terminate()
@@ -123,12 +117,7 @@ def test_other_jobs_and_a_missing_server_run_as_new_interpreters(server):
 
 def test_a_stopping_server_kills_its_forks(tmp_path):
     sock = tmp_path / "sock"
-    env = {**os.environ, "MRL_WORKER_FORK_PRELOAD": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.distributed.worker_fork", "serve", str(sock)],
-                            env=env, stderr=subprocess.DEVNULL)
-    while not sock.exists():
-        assert proc.poll() is None
-        time.sleep(0.05)
+    proc = serve(sock, preload="")
     (tmp_path / "script.py").write_text(SCRIPT)
     client = _client((proc, sock, tmp_path), "sleep")
     seen = _first_line(client)
