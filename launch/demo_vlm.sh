@@ -20,6 +20,7 @@ fi
 SFT=runs/vlm_sft_cpu
 if [ ! -f "$SFT/hf/config.json" ]; then  # a finished SFT stage is reused
   "$MRL" sft configs/vlm_sft_cpu.yaml "output.dir=$SFT"
-  "$MRL" convert megatron-to-hf --ckpt "$(ls -d "$SFT"/checkpoints/step_* | sort -V | tail -1)" --out "$SFT/hf"
+  "$MRL" convert megatron-to-hf --ckpt "$(find "$SFT/checkpoints" -maxdepth 1 -name "step_*" | sort -V | tail -1)" \
+    --out "$SFT/hf"
 fi
 exec "$MRL" train configs/vlm_cpu.yaml "policy.model=$SFT/hf" "$@"
