@@ -97,7 +97,11 @@ def serve(path: str) -> None:
             for key, _ in sel.select(timeout=1.0):
                 if key.data == "accept":
                     conn, _ = listener.accept()
-                    pid = _start(conn, listener, wake_r, wake_w, list(by_conn))
+                    try:
+                        pid = _start(conn, listener, wake_r, wake_w, list(by_conn))
+                    except Exception as e:  # noqa: BLE001 - one bad request (or a failed fork) ends that request
+                        print(f"[worker_fork] request refused: {e!r}", file=sys.stderr, flush=True)
+                        pid = None  # its client runs the worker as a new interpreter
                     if pid is None:
                         conn.close()
                         continue
@@ -152,40 +156,39 @@ def _reap(workers: dict, by_conn: dict, sel) -> None:
 
 
 def _start(conn: socket.socket, listener, wake_r: int, wake_w: int, others: list) -> int | None:
+    """Read one request and fork its worker: the fork's pid, or None (the client then runs it itself)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
-    if len(head) < 8 or len(fds) != 3:
-        for fd in fds:
+    try:
+        if len(head) < 8 or len(fds) != 3:
+            return None
+        size = struct.unpack("!Q", head)[0]
+        body = b""
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                return None
+            body += chunk
+        request = json.loads(body)
+        if request["env"].get("RAY_JOB_ID") != JOB_ID:  # loaded as job 1's worker (_preload): a new interpreter
+            conn.sendall(struct.pack("!q", -1))
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                for s in (listener, conn, *others):
+                    s.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                _become_worker(request, fds)
+            finally:
+                os._exit(70)
+        conn.sendall(struct.pack("!q", pid))
+        return pid
+    finally:
+        for fd in fds:  # the server's copies (the fork has made them its 0, 1, 2)
             os.close(fd)
-        return None
-    size = struct.unpack("!Q", head)[0]
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            break
-        body += chunk
-    request = json.loads(body)
-    if request["env"].get("RAY_JOB_ID") != JOB_ID:  # loaded as job 1's worker (_preload): a new interpreter
-        for fd in fds:
-            os.close(fd)
-        conn.sendall(struct.pack("!q", -1))
-        return None
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for s in (listener, conn, *others):
-                s.close()
-            os.close(wake_r)
-            os.close(wake_w)
-            _become_worker(request, fds)
-        finally:
-            os._exit(70)
-    for fd in fds:
-        os.close(fd)
-    conn.sendall(struct.pack("!q", pid))
-    return pid
 
 
 def _become_worker(request: dict, fds: list[int]) -> None:
