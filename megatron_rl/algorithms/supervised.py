@@ -70,7 +70,7 @@ def load_data(cfg: Config, tok, model_dir: Path, dp_size: int) -> SupervisedData
     limit = max_len_of(cfg, model_dir) - (1 if key == "rm" else 0)
     name = f"{key}.max_seq_len" + (" less the score token" if key == "rm" else "")
     extra = {}
-    if key == "sft":  # a vision-language model's processor renders its examples, images included
+    if key in ("sft", "dpo"):  # a vision-language model's processor renders its examples, images included
         from megatron_rl.data.vision_prompts import VisionProcessor, has_processor
 
         if has_processor(model_dir):

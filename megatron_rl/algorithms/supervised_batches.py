@@ -76,7 +76,9 @@ def pair_batch(pairs: list[PairExample]) -> RolloutBatch:
             plens.append(len(p.prompt))
             groups.append(k)
             roles.append(role)
-    return RolloutBatch(input_ids=ids, prompt_lens=plens, group_ids=groups, seq_roles=roles, keep_groups=True)
+    batch = RolloutBatch(input_ids=ids, prompt_lens=plens, group_ids=groups, seq_roles=roles, keep_groups=True)
+    batch.add_model_inputs([p.model_inputs for p in pairs for _ in (0, 1)])  # both responses read the prompt's images
+    return batch
 
 
 def rm_pair_batch(pairs: list[PairExample], pad_id: int | None = None) -> RolloutBatch:

@@ -44,6 +44,8 @@ class PairExample:
     # how far the chosen response should score above the rejected one (TRL's `margin` column; a reward model's loss
     # reads it: -log sigmoid(r_c - r_r - margin)); None: the line has none
     margin: float | None = None
+    # the prompt's images as a vision-language model's processor made them (data/vision_supervised.py); None: text
+    model_inputs: dict | None = None
 
 
 class _LineError(ValueError):
@@ -191,23 +193,31 @@ def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
 
 
 def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
-               key: str = "dpo.max_seq_len") -> list[PairExample]:
+               key: str = "dpo.max_seq_len", vision=None, image_key: str = "images") -> list[PairExample]:
+    """`vision`: as for `read_sft` (the prompt's images; the responses are text)."""
     r = Renderer(tok, chat)
     out = []
     for p, lineno, obj in jsonl_objects(path):
+        inputs = None
         try:
-            prompt = r.prompt(obj)
-            chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
+            if vision is not None:
+                from megatron_rl.data.vision_supervised import completion_ids, vision_prompt_ids
+
+                prompt, inputs = vision_prompt_ids(obj, vision, image_key, p.parent)
+                chosen, rejected = completion_ids(obj, "chosen", vision), completion_ids(obj, "rejected", vision)
+            else:
+                prompt = r.prompt(obj)
+                chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
             longer = "chosen" if len(chosen) >= len(rejected) else "rejected"
             _checked_length(len(prompt) + max(len(chosen), len(rejected)), max_len, longer, key)
             margin = obj.get("margin")
             if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                        or margin != margin):
                 raise _LineError(f"field 'margin' must be a number, got {margin!r}")
-        except _LineError as e:
+        except (_LineError, DataError) as e:
             raise DataError(f"{p}:{lineno}: {e}") from None
         out.append(PairExample(tuple(prompt), tuple(chosen), tuple(rejected), lineno,
-                               None if margin is None else float(margin)))
+                               None if margin is None else float(margin), inputs or None))
     if not out:
         raise DataError(f"{Path(path)}: no preference pairs")
     return out

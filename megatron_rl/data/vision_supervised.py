@@ -1,4 +1,4 @@
-"""An SFT example with images, rendered by a vision-language model's processor (data/vision_prompts.py).
+"""SFT examples and DPO pairs with images, rendered by a vision-language model's processor (data/vision_prompts.py).
 
 The line's layouts are the text ones (data/supervised.py) with images where a user turn has them, as TRL's and verl's
 vision SFT data carry them: `<image>` markers in a message's text and the images in the `data.image_key` field
@@ -74,18 +74,34 @@ def vision_sft_example(obj: dict, vision, image_key: str, base: Path | None) -> 
         ids, p, mask = split_assistant_turns(messages, r.ids)
         return ids, p, mask, "messages", r.inputs
     if "prompt" in obj and "completion" in obj:
-        prompt = obj["prompt"]
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        messages, images = vision_prompt(_checked_messages(prompt, "prompt"), column, "prompt", image_key, base)
-        from megatron_rl.data.supervised import _text
-        from megatron_rl.data.vision_prompts import VisionProblem
-
-        ids, _, _, inputs = vision.prompt(VisionProblem(messages, images))
-        try:
-            completion = _text(obj, "completion")
-        except ValueError as e:
-            raise DataError(str(e)) from None
-        comp = list(vision.tokenizer.encode(completion, add_special_tokens=False)) + [vision.tokenizer.eos_token_id]
+        ids, inputs = vision_prompt_ids(obj, vision, image_key, base)
+        comp = completion_ids(obj, "completion", vision)
         return ids + comp, len(ids), [True] * len(comp), "completion", inputs
     raise DataError("missing field 'messages' (or 'prompt' and 'completion')")
+
+
+def vision_prompt_ids(obj: dict, vision, image_key: str, base: Path | None) -> tuple[list[int], dict]:
+    """(expanded ids, model inputs) of a line's `prompt` (a string: one user turn; or messages) with its images,
+    rendered with the generation prompt."""
+    if "prompt" not in obj:
+        raise DataError("missing field 'prompt'")
+    prompt = obj["prompt"]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    messages, images = vision_prompt(_checked_messages(prompt, "prompt"), obj.get(image_key), "prompt", image_key,
+                                     base)
+    from megatron_rl.data.vision_prompts import VisionProblem
+
+    ids, _, _, inputs = vision.prompt(VisionProblem(messages, images))
+    return ids, inputs
+
+
+def completion_ids(obj: dict, field: str, vision) -> list[int]:
+    """A completion's tokens and EOS (a string or assistant messages, as for text: data/supervised.py)."""
+    from megatron_rl.data.supervised import _text
+
+    try:
+        text = _text(obj, field)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    return list(vision.tokenizer.encode(text, add_special_tokens=False)) + [vision.tokenizer.eos_token_id]

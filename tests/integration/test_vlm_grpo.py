@@ -188,3 +188,47 @@ def test_sft_with_images_matches_transformers_loss_at_dp2(run, tmp_path):
     assert step1["loss"] == pytest.approx(want, rel=1e-5) and step1["grad_norm"] > 0
     val2 = [x for x in recs if x.get("step") == 2 and "val_loss" in x]
     assert val2 and val2[0]["val_loss"] < want  # it learns the answers
+
+
+def test_dpo_with_images_starts_at_the_reference_with_transformers_logprobs(run, tmp_path):
+    """`megatron-rl dpo` on image prompts, two FSDP2 ranks: step 1 runs on the initial weights, which are the
+    reference, so the margin is 0 and the loss log 2; its log pi(chosen) and log pi(rejected) (means over the pairs of
+    the responses' summed logprobs) equal transformers' forward with the images."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    _, model, _ = run
+    lines = []
+    for i, (c, rgb) in enumerate(COLOURS.items()):
+        (tmp_path / f"{c}.png").write_bytes(solid_png(rgb, (32 + 8 * i, 32)))
+        lines.append({"prompt": [{"role": "user", "content": "<image>What colour is this?"}], "images": [f"{c}.png"],
+                      "chosen": f"It is {c}.", "rejected": "I cannot tell."})
+    data = tmp_path / "dpo.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "dpo"
+    r = megatron_rl("dpo", str(REPO / "configs" / "dpo_cpu.yaml"), f"policy.model={model}", f"output.dir={out}",
+                    "policy.backend=fsdp2", "cluster.devices_per_node=2", f"data.path={data}", "data.val_path=null",
+                    "dpo.batch_size=4", "dpo.max_steps=1", "dpo.sft_loss_weight=0", "checkpoint.every_steps=1",
+                    "policy.precision=fp32", "logging.progress=false")
+    assert r.returncode == 0, f"dpo failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    step1 = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"logps_chosen"' in x)
+
+    hf = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(model)
+    eos = proc.tokenizer.eos_token_id
+    sums = {"chosen": [], "rejected": []}
+    for i, (c, rgb) in enumerate(COLOURS.items()):
+        user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
+        enc = proc(text=proc.apply_chat_template(user, add_generation_prompt=True, tokenize=False),
+                   images=[Image.new("RGB", (32 + 8 * i, 32), rgb)], return_tensors="pt", add_special_tokens=False)
+        prompt = enc["input_ids"][0].tolist()
+        for role, text in (("chosen", f"It is {c}."), ("rejected", "I cannot tell.")):
+            resp = proc.tokenizer.encode(text, add_special_tokens=False) + [eos]
+            with torch.no_grad():
+                logits = hf(input_ids=torch.tensor([prompt + resp]), pixel_values=enc["pixel_values"],
+                            pixel_attention_mask=enc["pixel_attention_mask"]).logits[0].double()
+            lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(resp)[:, None])
+            sums[role].append(float(lp.sum()))
+    assert step1["rewards_margin"] == 0.0 and step1["loss"] == pytest.approx(0.693147, abs=1e-5)
+    for role in ("chosen", "rejected"):
+        assert step1[f"logps_{role}"] == pytest.approx(sum(sums[role]) / len(sums[role]), rel=1e-5), role

@@ -105,3 +105,19 @@ def test_an_example_longer_than_the_context_names_the_key(vlm):
     (ex,) = read_sft(_write(root, "e.jsonl", MARKERS), tok, 4096, vision=vision)
     with pytest.raises(DataError, match=r"e.jsonl:1: .*sft.max_seq_len"):
         read_sft(_write(root, "e.jsonl", MARKERS), tok, len(ex.ids) - 1, vision=vision)
+
+
+def test_a_preference_pair_reads_the_prompts_images_and_text_responses(vlm):
+    from megatron_rl.data.supervised import read_pairs, read_sft
+
+    root, vision, tok = vlm
+    line = {"prompt": [MARKERS["messages"][0]], "chosen": "Red.", "rejected": "Blue.", "images": ["red.png"]}
+    (pair,) = read_pairs(_write(root, "p.jsonl", line), tok, 4096, vision=vision)
+    (sft,) = read_sft(_write(root, "s.jsonl", {**line, "completion": "Red."}), tok, 4096, vision=vision)
+    eos = vision.tokenizer.eos_token_id
+    assert pair.prompt == sft.ids[:sft.prompt_len]  # the processor's expanded prompt
+    assert list(pair.chosen) == vision.tokenizer.encode("Red.", add_special_tokens=False) + [eos]
+    assert list(pair.rejected) == vision.tokenizer.encode("Blue.", add_special_tokens=False) + [eos]
+    assert torch.equal(pair.model_inputs["pixel_values"], sft.model_inputs["pixel_values"])
+    with pytest.raises(DataError, match=r"p.jsonl:1: .*'images' holds 0"):
+        read_pairs(_write(root, "p.jsonl", {**line, "images": []}), tok, 4096, vision=vision)
