@@ -171,7 +171,7 @@ def read_sft(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True,
             if vision is not None:
                 from megatron_rl.data.vision_supervised import vision_sft_example
 
-                ids, plen, mask, field, inputs = vision_sft_example(obj, vision, image_key, p.parent)
+                ids, plen, mask, field, inputs = vision_sft_example(obj, vision, image_key, p.parent, r.completion)
                 _checked_length(len(ids), max_len, field, key)
                 out.append(SFTExample(tuple(ids), plen, tuple(mask), lineno, inputs or None))
                 continue
@@ -201,13 +201,12 @@ def read_pairs(path: str | Path, tok: Tokenizer, max_len: int, chat: bool = True
         inputs = None
         try:
             if vision is not None:
-                from megatron_rl.data.vision_supervised import completion_ids, vision_prompt_ids
+                from megatron_rl.data.vision_supervised import vision_prompt_ids
 
                 prompt, inputs = vision_prompt_ids(obj, vision, image_key, p.parent)
-                chosen, rejected = completion_ids(obj, "chosen", vision), completion_ids(obj, "rejected", vision)
             else:
                 prompt = r.prompt(obj)
-                chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
+            chosen, rejected = r.completion(obj, "chosen"), r.completion(obj, "rejected")
             longer = "chosen" if len(chosen) >= len(rejected) else "rejected"
             _checked_length(len(prompt) + max(len(chosen), len(rejected)), max_len, longer, key)
             margin = obj.get("margin")

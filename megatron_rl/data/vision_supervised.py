@@ -60,10 +60,11 @@ class _Render:
         return enc["input_ids"][0].tolist()
 
 
-def vision_sft_example(obj: dict, vision, image_key: str, base: Path | None) -> tuple[list[int], int, list[bool],
-                                                                                     str, dict]:
+def vision_sft_example(obj: dict, vision, image_key: str, base: Path | None, completion) -> tuple[
+        list[int], int, list[bool], str, dict]:
     """(ids, prompt length, loss mask after the prompt, the field a too-long example is named by, model inputs) of
-    one line; a DataError names the field."""
+    one line; `completion(obj, field)`: a completion's tokens and EOS, as for text (`supervised.Renderer`); a
+    DataError names the field."""
     column = obj.get(image_key)
     if "messages" in obj:
         messages, images = vision_prompt(_checked_messages(obj["messages"], "messages"), column, "messages",
@@ -75,7 +76,7 @@ def vision_sft_example(obj: dict, vision, image_key: str, base: Path | None) -> 
         return ids, p, mask, "messages", r.inputs
     if "prompt" in obj and "completion" in obj:
         ids, inputs = vision_prompt_ids(obj, vision, image_key, base)
-        comp = completion_ids(obj, "completion", vision)
+        comp = completion(obj, "completion")
         return ids + comp, len(ids), [True] * len(comp), "completion", inputs
     raise DataError("missing field 'messages' (or 'prompt' and 'completion')")
 
@@ -94,14 +95,3 @@ def vision_prompt_ids(obj: dict, vision, image_key: str, base: Path | None) -> t
 
     ids, _, _, inputs = vision.prompt(VisionProblem(messages, images))
     return ids, inputs
-
-
-def completion_ids(obj: dict, field: str, vision) -> list[int]:
-    """A completion's tokens and EOS (a string or assistant messages, as for text: data/supervised.py)."""
-    from megatron_rl.data.supervised import _text
-
-    try:
-        text = _text(obj, field)
-    except ValueError as e:
-        raise DataError(str(e)) from None
-    return list(vision.tokenizer.encode(text, add_special_tokens=False)) + [vision.tokenizer.eos_token_id]
